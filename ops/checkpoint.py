@@ -1,0 +1,168 @@
+"""Learner checkpoints: model, optimizer, RNG and step counter, in torch distributed checkpoint
+(DCP) format, one directory per step.
+
+Keys are global: under expert parallelism each rank holds some experts under local indices,
+so expert tensors are renamed to their global index before saving (`global_state_dict`) and
+picked back by each rank on load. Replicated tensors are written once (DCP deduplicates them).
+
+A checkpoint is complete only once its `COMPLETE` marker exists: it is written into
+`step-N.partial/` and renamed to `step-N/` after every rank has finished, so a process killed in
+the middle of a save leaves a `.partial` directory that `latest_complete` never returns.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+_EXPERT = re.compile(r"(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)")
+COMPLETE = "COMPLETE"
+
+
+def _ep():
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
+
+
+def global_state_dict(model, num_experts: int) -> dict[str, torch.Tensor]:
+    """This rank's parameters under global names (expert indices made global)."""
+    rank, size = _ep()
+    local = num_experts // size
+    out = {}
+    for k, v in model.state_dict().items():
+        if k.endswith("_extra_state"):
+            continue
+        if m := _EXPERT.match(k):
+            k = f"{m.group(1)}{rank * local + int(m.group(2))}{m.group(3)}"
+        out[k] = v
+    return out
+
+
+def load_global_state_dict(model, sd: dict[str, torch.Tensor], num_experts: int) -> None:
+    """Copy a full (global names) state dict into this rank's model, taking its own experts."""
+    rank, size = _ep()
+    local = num_experts // size
+    own = model.state_dict()
+    with torch.no_grad():
+        for k, v in own.items():
+            if k.endswith("_extra_state"):
+                continue
+            src = k
+            if m := _EXPERT.match(k):
+                src = f"{m.group(1)}{rank * local + int(m.group(2))}{m.group(3)}"
+            if src not in sd:
+                raise KeyError(f"checkpoint has no tensor {src!r}")
+            v.copy_(sd[src].to(v.dtype))
+
+
+def param_names(model, num_experts: int) -> dict[int, str]:
+    """id(param) -> global name, to key optimizer state by name rather than by position."""
+    rank, size = _ep()
+    local = num_experts // size
+    names = {}
+    for k, p in model.named_parameters():
+        k = k.removeprefix("module.")
+        if m := _EXPERT.match(k):
+            k = f"{m.group(1)}{rank * local + int(m.group(2))}{m.group(3)}"
+        names[id(p)] = k
+    return names
+
+
+def optimizer_state(optimizer, names: dict[int, str]) -> dict:
+    state = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in optimizer.state:
+                state[names[id(p)]] = {k: (v if torch.is_tensor(v) else torch.tensor(v)) for k, v in optimizer.state[p].items()}
+    return state
+
+
+def load_optimizer_state(optimizer, names: dict[int, str], state: dict) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = names[id(p)]
+            if name in state:
+                optimizer.state[p] = {k: v.clone() for k, v in state[name].items()}
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save(directory: Path, step: int, model_sd: dict, optim_state: dict | None = None, meta: dict | None = None) -> Path:
+    """Save a complete checkpoint as `directory/step-{step:06d}`; returns its path."""
+    import torch.distributed.checkpoint as dcp
+
+    directory = Path(directory)
+    final = directory / f"step-{step:06d}"
+    partial = directory / f"step-{step:06d}.partial"
+    if _rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier()
+    rank = _rank()
+    state = {"model": model_sd, "rng": {f"rank{rank}": torch.get_rng_state()}}
+    if optim_state is not None:
+        state["optim"] = optim_state
+    dcp.save(state, checkpoint_id=str(partial))
+    _barrier()
+    if rank == 0:
+        (partial / "meta.json").write_text(json.dumps({"step": step} | (meta or {}), indent=2))
+        (partial / COMPLETE).write_text("")
+        if final.exists():
+            shutil.rmtree(final)
+        partial.rename(final)
+    _barrier()
+    return final
+
+
+def latest_complete(directory: Path) -> Path | None:
+    """The newest checkpoint with a COMPLETE marker (partial ones are ignored)."""
+    directory = Path(directory)
+    if not directory.exists():
+        return None
+    done = sorted(p for p in directory.glob("step-[0-9]*") if p.is_dir() and (p / COMPLETE).exists()
+                  and not p.name.endswith(".partial"))
+    return done[-1] if done else None
+
+
+def meta(path: Path) -> dict:
+    return json.loads((Path(path) / "meta.json").read_text())
+
+
+def load(path: Path, model_template: dict, optim_template: dict | None = None) -> dict:
+    """Load into templates shaped like what was saved (DCP loads in place)."""
+    import torch.distributed.checkpoint as dcp
+
+    rank = _rank()
+    state = {"model": model_template, "rng": {f"rank{rank}": torch.get_rng_state()}}
+    if optim_template is not None:
+        state["optim"] = optim_template
+    dcp.load(state, checkpoint_id=str(path))
+    return state
+
+
+def load_model_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of a checkpoint, without a model or a process group (for export)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "full.pt"
+        dcp_to_torch_save(str(path), str(out))
+        full = torch.load(out, weights_only=False)
+    return full["model"]

@@ -1,0 +1,101 @@
+"""Arrow schemas of the tables that stages hand each other (Parquet under PERPETUA_HOME/data).
+
+Each schema carries a version in its metadata; a reader refuses a table whose version it does
+not know rather than guessing. Bump the version when a field changes meaning or type.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROLLOUTS_VERSION = "1"
+REWARDS_VERSION = "1"
+
+# One row per sampled episode. Token-in/token-out: `completion_ids` are every token after the
+# prompt (model turns and tool results, in order); `loss_mask` is 1 on model-generated tokens
+# (trained) and 0 on tool tokens; `behaviour_logprobs` are vLLM's log-probs of the sampled
+# tokens (0.0 where loss_mask is 0). The three lists have equal length.
+ROLLOUTS = pa.schema(
+    [
+        ("cycle", pa.int32()),
+        ("task_id", pa.string()),
+        ("family", pa.string()),
+        ("group_id", pa.string()),  # one group = the G samples of one task in one cycle
+        ("sample_index", pa.int32()),
+        ("policy_version", pa.int32()),  # the version the engine actually had loaded
+        ("prompt_ids", pa.list_(pa.int32())),
+        ("completion_ids", pa.list_(pa.int32())),
+        ("behaviour_logprobs", pa.list_(pa.float32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("prompt_text", pa.string()),
+        ("completion_text", pa.string()),
+        ("turns", pa.int32()),
+        ("tool_calls", pa.list_(pa.string())),
+        ("final_answer", pa.string()),  # null when the episode gave none
+        ("finish_reason", pa.string()),  # answer | invalid_action | max_turns | max_tokens | env_error
+        ("prompt_tokens", pa.int32()),
+        ("completion_tokens", pa.int32()),  # model-generated tokens only
+        ("generation_seconds", pa.float32()),
+        ("temperature", pa.float32()),
+        ("top_p", pa.float32()),
+        ("max_tokens", pa.int32()),
+        ("seed", pa.int64()),
+    ],
+    metadata={"perpetua.table": "rollouts", "perpetua.version": ROLLOUTS_VERSION},
+)
+
+# One row per verified rollout; (group_id, sample_index) is the rollout key.
+REWARDS = pa.schema(
+    [
+        ("group_id", pa.string()),
+        ("sample_index", pa.int32()),
+        ("task_id", pa.string()),
+        ("verifier", pa.string()),
+        ("verifier_version", pa.string()),
+        ("reward", pa.float32()),
+        ("outcome", pa.string()),  # pass | fail | timeout | crashed | resource-limit | sandbox-violation
+        ("details", pa.string()),  # JSON: which checks or tests passed, and why not
+        ("flagged", pa.bool_()),  # a sandbox violation or a reward-hacking guard fired
+        ("seconds", pa.float32()),
+    ],
+    metadata={"perpetua.table": "rewards", "perpetua.version": REWARDS_VERSION},
+)
+
+
+class SchemaMismatch(ValueError):
+    pass
+
+
+def write_table(rows: list[dict] | pa.Table, schema: pa.Schema, path: Path) -> pa.Table:
+    """Write rows as Parquet with `schema` (atomic: a reader never sees a half-written file)."""
+    table = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows, schema=schema)
+    table = table.cast(schema) if table.schema != schema else table
+    table = table.replace_schema_metadata(schema.metadata)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    pq.write_table(table, tmp)
+    tmp.replace(path)
+    return table
+
+
+def read_table(path: Path, schema: pa.Schema) -> pa.Table:
+    table = pq.read_table(path)
+    want = schema.metadata or {}
+    got = table.schema.metadata or {}
+    for key in (b"perpetua.table", b"perpetua.version"):
+        if got.get(key) != want.get(key):
+            raise SchemaMismatch(f"{path}: {key.decode()} is {got.get(key)!r}, expected {want.get(key)!r}")
+    return table
+
+
+def table_hash(table: pa.Table) -> str:
+    """A content hash of a table, used as its Dagster data version."""
+    import hashlib
+
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return hashlib.sha256(sink.getvalue().to_pybytes()).hexdigest()[:16]

@@ -1,0 +1,1 @@
+"""Dagster assembly: Definitions, jobs, schedules, sensors and resources."""

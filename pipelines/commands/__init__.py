@@ -1,0 +1,1 @@
+"""Subcommands of `perpetua`: one module each, with add_arguments(parser) and run(args)."""

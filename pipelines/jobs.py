@@ -1,0 +1,28 @@
+"""Jobs: the cycle of the loop, harvesting alone, the bootstrap, and the nightly full eval."""
+
+from __future__ import annotations
+
+import dagster as dg
+
+CYCLE_JOB = "perpetua_cycle"
+
+# name -> (asset keys, description)
+JOB_ASSETS: dict[str, tuple[list[str], str]] = {
+    CYCLE_JOB: (
+        ["harvested_failures", "training_tasks", "rollouts", "verified_rewards", "policy_checkpoint",
+         "eval_report", "deployment"],
+        "One iteration of the loop: harvest -> tasks -> rollouts -> rewards -> learner step -> eval -> gated deploy.",
+    ),
+    "harvest": (["harvested_failures"], "Harvest new production failures from the landing zone (and MLflow traces)."),
+    "bootstrap": (["base_policy"], "Train the base policy (cached when config and code are unchanged)."),
+    "nightly_eval": (["eval_report"], "Full evaluation of the current candidate against the champion."),
+}
+
+
+def build_jobs(present: set[str]) -> list:
+    """Asset jobs whose assets are all defined in this code location."""
+    return [
+        dg.define_asset_job(name, selection=dg.AssetSelection.assets(*keys), description=desc)
+        for name, (keys, desc) in JOB_ASSETS.items()
+        if set(keys) <= present
+    ]
