@@ -16,6 +16,7 @@ import json
 import re
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -102,8 +103,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save(directory: Path, step: int, model_sd: dict, optim_state: dict | None = None, meta: dict | None = None) -> Path:
-    """Save a complete checkpoint as `directory/step-{step:06d}`; returns its path."""
+def save(directory: Path, step: int, model_sd: dict, optim_state: dict | None = None, meta: dict | None = None,
+         before_commit: Callable[[], None] | None = None) -> Path:
+    """Save a complete checkpoint as `directory/step-{step:06d}`; returns its path.
+
+    `before_commit` runs on every rank after the tensors are written and before the COMPLETE
+    marker (a test hook: a process killed there must leave only a `.partial` directory)."""
     import torch.distributed.checkpoint as dcp
 
     directory = Path(directory)
@@ -119,6 +124,8 @@ def save(directory: Path, step: int, model_sd: dict, optim_state: dict | None = 
         state["optim"] = optim_state
     dcp.save(state, checkpoint_id=str(partial))
     _barrier()
+    if before_commit is not None:
+        before_commit()
     if rank == 0:
         (partial / "meta.json").write_text(json.dumps({"step": step} | (meta or {}), indent=2))
         (partial / COMPLETE).write_text("")
@@ -143,12 +150,17 @@ def meta(path: Path) -> dict:
     return json.loads((Path(path) / "meta.json").read_text())
 
 
-def load(path: Path, model_template: dict, optim_template: dict | None = None) -> dict:
-    """Load into templates shaped like what was saved (DCP loads in place)."""
+def load(path: Path, model_template: dict, optim_template: dict | None = None, with_rng: bool = True) -> dict:
+    """Load into templates shaped like what was saved (DCP loads in place).
+
+    Keys are global names, so a checkpoint loads under another expert-parallel layout; the RNG
+    state is per rank, so pass with_rng=False when the world size changed."""
     import torch.distributed.checkpoint as dcp
 
     rank = _rank()
-    state = {"model": model_template, "rng": {f"rank{rank}": torch.get_rng_state()}}
+    state = {"model": model_template}
+    if with_rng:
+        state["rng"] = {f"rank{rank}": torch.get_rng_state()}
     if optim_template is not None:
         state["optim"] = optim_template
     dcp.load(state, checkpoint_id=str(path))
@@ -156,13 +168,17 @@ def load(path: Path, model_template: dict, optim_template: dict | None = None) -
 
 
 def load_model_tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every model tensor of a checkpoint, without a model or a process group (for export)."""
+    """Every model tensor of a checkpoint (all experts), without a model or a process group, for
+    export. Reads only the model entries (not the optimizer state), shaped from DCP's metadata."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    import tempfile
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "full.pt"
-        dcp_to_torch_save(str(path), str(out))
-        full = torch.load(out, weights_only=False)
-    return full["model"]
+    md = FileSystemReader(str(path)).read_metadata()
+    model: dict[str, torch.Tensor] = {}
+    for key, item in md.state_dict_metadata.items():
+        where = md.planner_data.get(key, ()) if md.planner_data else ()
+        if len(where) == 2 and where[0] == "model" and isinstance(item, TensorStorageMetadata):
+            model[where[1]] = torch.empty(item.size, dtype=item.properties.dtype)
+    dcp.load({"model": model}, checkpoint_id=str(path), no_dist=True)
+    return model

@@ -50,8 +50,8 @@ class PolicyConfig(BaseModel):
 PRESETS: dict[str, PolicyConfig] = {
     # The embedded default: a few million parameters, trains and serves on 2 CPU cores.
     "tiny": PolicyConfig(
-        name="tiny", vocab_size=512, hidden_size=128, num_layers=4, num_attention_heads=2,
-        num_query_groups=1, head_dim=64, moe_ffn_hidden_size=384, num_experts=4, moe_router_topk=2,
+        name="tiny", vocab_size=512, hidden_size=256, num_layers=2, num_attention_heads=4,
+        num_query_groups=2, head_dim=64, moe_ffn_hidden_size=512, num_experts=4, moe_router_topk=2,
     ),
     # Real shapes, for clusters (configs only; not run here).
     "mixtral-8x7b": PolicyConfig(
