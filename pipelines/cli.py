@@ -60,4 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Re-import so UserError is the class the subcommands raise, not a __main__ copy.
+    from pipelines.cli import main as _main
+
+    sys.exit(_main())

@@ -1,0 +1,70 @@
+"""`perpetua rescore [--cycle N] [--json]`: re-score stored rollouts with the current verifiers,
+without regenerating them. By default it materializes `verified_rewards` through Dagster (so the
+new rewards carry lineage and the stale marker clears); `--no-dagster` scores directly."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pipelines.cli import UserError, print_json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cycle", type=int, default=None, help="cycle to re-score (default: the latest stored rollouts)")
+    parser.add_argument("--json", action="store_true", help="print the counts as JSON")
+    parser.add_argument("--workers", type=int, default=0, help="parallel workers (default: one per CPU)")
+    parser.add_argument("--no-dagster", action="store_true", help="score and write the table directly, without a Dagster run")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ops.paths import home
+    from ops.verify import stored_cycles
+
+    data = home().data
+    cycles = stored_cycles(data)
+    if not cycles:
+        raise UserError(f"no stored rollouts under {data / 'rollouts'} (PERPETUA_HOME={home().root})")
+    cycle = cycles[-1] if args.cycle is None else args.cycle
+    if cycle not in cycles:
+        raise UserError(f"no rollouts stored for cycle {cycle}; stored cycles: {cycles}")
+    if args.workers < 0:
+        raise UserError("--workers must be >= 0")
+    out = _direct(data, cycle, args.workers) if args.no_dagster else _through_dagster(cycle, args.workers)
+    if args.json:
+        print_json(out)
+    else:
+        print(f"cycle {out['cycle']}: {out['rollouts']} rollouts re-scored, mean reward {out['mean_reward']:.3f}, "
+              f"{out['flagged']} flagged, {out['rejected']} rejected")
+        print("outcomes: " + ", ".join(f"{k} {v}" for k, v in out["outcomes"].items()))
+        print(f"verifiers: " + ", ".join(f"{k} v{v}" for k, v in out["verifier_versions"].items()))
+        print(f"{out['verifications_per_second']:.1f} verifications/s; written to {out['path']}")
+    return 0
+
+
+def _direct(data, cycle: int, workers: int) -> dict:
+    from ops.verify import score_cycle
+
+    report, path, _ = score_cycle(data, cycle, workers=workers or None)
+    return {"cycle": cycle, **report.summary(), "path": str(path), "dagster_run_id": None}
+
+
+def _through_dagster(cycle: int, workers: int) -> dict:
+    import dagster as dg
+
+    from assets.verified_rewards import verified_rewards
+    from ops.paths import home
+
+    home().ensure()
+    os.environ.setdefault("DAGSTER_HOME", str(home().dagster))
+    with dg.DagsterInstance.get() as instance:
+        result = dg.materialize(
+            [verified_rewards], instance=instance, raise_on_error=False, tags={"perpetua/rescore": str(cycle)},
+            run_config={"ops": {"verified_rewards": {"config": {"cycle": cycle, "workers": workers}}}},
+        )
+    if not result.success:
+        failure = next((e for e in result.all_events if e.is_failure), None)
+        message = failure.message if failure is not None else "the run failed"
+        raise UserError(f"re-scoring cycle {cycle} failed in Dagster run {result.run_id}: {message}")
+    metadata = result.asset_materializations_for_node("verified_rewards")[0].metadata
+    return {"cycle": cycle, **metadata["summary"].value, "path": metadata["path"].value, "dagster_run_id": result.run_id}

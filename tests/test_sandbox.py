@@ -1,0 +1,183 @@
+"""The verifier sandbox: outcomes, limits, bounded capture, scrubbed environment, the CLI, and the
+rlimits fallback. Everything runs real processes (bwrap where installed)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ops import sandbox as sandbox_mod
+from ops.sandbox import Limits, Outcome, Sandbox, bwrap_status
+
+HAS_BWRAP = bwrap_status()[0]
+
+
+@pytest.fixture(scope="module")
+def sb() -> Sandbox:
+    return Sandbox(Limits(wall_seconds=10))
+
+
+def _no_process_with(marker: str) -> bool:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    return False
+            except OSError:
+                continue
+    return True
+
+
+def test_pass_fail_and_exit_codes(sb):
+    ok = sb.run(["sh", "-c", "echo out; echo err >&2"])
+    assert ok.outcome is Outcome.PASS and ok.exit_code == 0
+    assert ok.stdout == "out\n" and ok.stderr == "err\n"
+    bad = sb.run(["sh", "-c", "exit 3"])
+    assert bad.outcome is Outcome.FAIL and bad.exit_code == 3
+    killed = sb.run(["sh", "-c", "kill -SEGV $$"])
+    assert killed.outcome is Outcome.CRASHED and killed.signal == signal.SIGSEGV and killed.exit_code == 128 + signal.SIGSEGV
+
+
+def test_stdin_files_and_a_fresh_work_dir_each_run(sb):
+    r = sb.run([sys.executable, "-c", "import sys,os; print(sys.stdin.read().upper(), open('in.txt').read(), os.getcwd())"],
+               files={"in.txt": "file content"}, stdin="piped")
+    assert r.outcome is Outcome.PASS
+    words = r.stdout.split()
+    assert words[:3] == ["PIPED", "file", "content"]
+    work_dir = Path(words[3])
+    assert not work_dir.exists(), "the work directory is removed after the run"
+    second = sb.run(["ls", "-A"])
+    assert second.stdout == "", "a new run starts in an empty directory"
+
+
+def test_workspace_keeps_files_between_runs_and_lets_the_command_write(sb):
+    with sb.workspace() as ws:
+        assert ws.run(["sh", "-c", "echo 41 > n.txt"]).ok
+        assert ws.run(["sh", "-c", "echo $(( $(cat n.txt) + 1 ))"]).stdout == "42\n"
+        assert (ws.path / "n.txt").read_text() == "41\n"
+        with pytest.raises(ValueError):
+            ws.write("../escape.txt", "x")
+    assert not ws.path.exists()
+
+
+def test_wall_timeout_kills_the_whole_tree(sb):
+    marker = "31.4159"
+    start = time.monotonic()
+    r = sb.run(["sh", "-c", f"sleep {marker} & sleep {marker}; echo never"], limits=sb.limits.but(wall_seconds=1))
+    assert r.outcome is Outcome.TIMEOUT
+    assert time.monotonic() - start < 5
+    assert "never" not in r.stdout
+    deadline = time.monotonic() + 3
+    while not _no_process_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _no_process_with(marker), "a background child outlived the timeout"
+
+
+def test_cpu_limit(sb):
+    r = sb.run([sys.executable, "-c", "while True: pass"], limits=sb.limits.but(cpu_seconds=1, wall_seconds=20))
+    assert r.outcome is Outcome.RESOURCE_LIMIT, r
+    assert r.seconds < 10 and r.signal == signal.SIGXCPU
+
+
+def test_memory_and_file_size_limits(sb):
+    mem = sb.run([sys.executable, "-c", "x = bytearray(2 << 30)"], limits=sb.limits.but(memory_bytes=512 << 20))
+    assert mem.outcome is Outcome.RESOURCE_LIMIT and "MemoryError" in mem.stderr
+    big = sb.run([sys.executable, "-c", "open('f', 'wb').write(b'x' * (4 << 20))"], limits=sb.limits.but(file_size_bytes=1 << 20))
+    assert big.outcome is Outcome.RESOURCE_LIMIT and "File too large" in big.stderr
+    shell = sb.run(["sh", "-c", "head -c 4000000 /dev/zero > f"], limits=sb.limits.but(file_size_bytes=1 << 20))
+    assert shell.outcome is Outcome.RESOURCE_LIMIT  # SIGXFSZ
+
+
+def test_output_is_bounded_head_and_tail(sb):
+    code = "import sys; sys.stdout.write('A' * 100000 + 'TAIL')"
+    r = sb.run([sys.executable, "-c", code], limits=sb.limits.but(output_bytes=4096))
+    assert r.outcome is Outcome.PASS and r.truncated
+    assert r.stdout_bytes == 100004
+    assert len(r.stdout) < 4096 + 100
+    assert r.stdout.startswith("AAAA") and r.stdout.endswith("TAIL") and "bytes truncated" in r.stdout
+
+
+def test_environment_is_scrubbed(sb, monkeypatch):
+    monkeypatch.setenv("PERPETUA_TEST_TOKEN", "tok-123")
+    r = sb.run([sys.executable, "-c", "import os, json; print(json.dumps(dict(os.environ)))"])
+    env = json.loads(r.stdout)
+    assert "PERPETUA_TEST_TOKEN" not in env
+    assert set(env) <= {"PATH", "HOME", "LANG", "TMPDIR", "PWD", "LC_CTYPE"}
+    assert env["HOME"] != os.environ.get("HOME")
+
+
+def test_result_json_has_the_fixed_keys_first(sb):
+    d = sb.run(["true"]).to_json()
+    assert list(d)[:5] == ["outcome", "exit_code", "seconds", "stdout", "stderr"]
+    assert d["outcome"] == "pass"
+    json.dumps(d)
+
+
+def test_limits_are_validated():
+    with pytest.raises(ValueError):
+        Limits(wall_seconds=0)
+    with pytest.raises(ValueError):
+        Limits().but(processes=0)
+
+
+def test_cli_sandbox_json_and_user_errors(capsys):
+    from pipelines.cli import main
+
+    rc = main(["sandbox", "--json", "--timeout", "5", "--", sys.executable, "-c", "print('hello from the sandbox')"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert list(out)[:5] == ["outcome", "exit_code", "seconds", "stdout", "stderr"]
+    assert out["outcome"] == "pass" and out["stdout"] == "hello from the sandbox\n"
+    assert main(["sandbox", "--json", "--timeout", "0.5", "--", "sleep", "5"]) == 1
+    assert json.loads(capsys.readouterr().out)["outcome"] == "timeout"
+    assert main(["sandbox"]) == 2
+    assert "no command given" in capsys.readouterr().err
+    assert main(["sandbox", "--", "no-such-command-xyz"]) == 2
+    assert "command not found" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not HAS_BWRAP, reason="bubblewrap is not usable here")
+def test_bwrap_view_is_read_only_without_network_and_sees_its_own_pids(sb):
+    r = sb.run([sys.executable, "-c", (
+        "import os, socket\n"
+        "print(os.getpid(), os.getppid())\n"
+        "try:\n    open('/usr/perpetua-x', 'w')\nexcept OSError as e:\n    print('ro', e.errno)\n"
+        "print(sorted(name for _, name in socket.if_nameindex()))\n"
+    )])
+    lines = r.stdout.splitlines()
+    pid, ppid = map(int, lines[0].split())
+    assert ppid == 1 and pid < 10, "the command runs in its own pid namespace"
+    assert lines[1] in ("ro 30", "ro 13")
+    assert lines[2] == "['lo']", "only a loopback interface: no network"
+    assert r.isolation == "bwrap"
+
+
+def test_fallback_without_bwrap_still_limits_and_protects_the_verifier(tmp_path):
+    fb = Sandbox(Limits(wall_seconds=5), isolation="rlimits")
+    assert fb.isolation == "rlimits"
+    assert fb.run(["sh", "-c", "while :; do :; done"], limits=fb.limits.but(wall_seconds=1)).outcome is Outcome.TIMEOUT
+    assert fb.run([sys.executable, "-c", "x = bytearray(4 << 30)"]).outcome is Outcome.RESOURCE_LIMIT
+    env = json.loads(fb.run([sys.executable, "-c", "import os, json; print(json.dumps(dict(os.environ)))"]).stdout)
+    assert set(env) <= {"PATH", "HOME", "LANG", "TMPDIR", "PWD", "LC_CTYPE"}
+    # `kill -9 $PPID` hits the shell between the verifier and the command, not this process
+    r = fb.run([sys.executable, "-c", "import os, signal; os.kill(os.getppid(), signal.SIGKILL)"])
+    assert r.outcome is Outcome.CRASHED and r.signal == signal.SIGKILL
+
+
+def test_fallback_warns_once(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox_mod, "bwrap_status", lambda: (False, "bubblewrap (bwrap) is not installed"))
+    monkeypatch.setattr(sandbox_mod, "_warned_fallback", False)
+    with caplog.at_level(logging.WARNING, logger="perpetua.sandbox"):
+        assert Sandbox().isolation == "rlimits"
+        assert Sandbox().isolation == "rlimits"
+    warnings = [r for r in caplog.records if "SANDBOX FALLBACK" in r.getMessage()]
+    assert len(warnings) == 1 and "not installed" in warnings[0].getMessage()
+    with pytest.raises(sandbox_mod.SandboxUnavailable):
+        Sandbox(isolation="bwrap")
