@@ -1,0 +1,38 @@
+"""`perpetua bench NAME [--json]`: benchmarks, each a ratio against a baseline run side by side
+in the same process (ratio > 1: the project's path is faster than the baseline)."""
+
+from __future__ import annotations
+
+import importlib
+
+from pipelines.cli import UserError, print_json
+
+BENCHES = {
+    "rollout": ("ops.bench_rollout", "rollout path vs raw vllm.LLM.generate (tokens/s), plus refit seconds/bytes"),
+    "learner": ("ops.bench_learner", "learner step vs a bare megatron-core forward/backward/optimizer loop (tokens/s)"),
+    "verify": ("ops.bench_verify", "batched, pooled sandbox verification vs one sandbox per verification"),
+    "harvest": ("ops.bench_harvest", "validating harvester vs a plain pyarrow.dataset scan (records/s, peak memory)"),
+}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("name", choices=sorted(BENCHES), help="; ".join(f"{k}: {v[1]}" for k, v in BENCHES.items()))
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def run(args) -> int:
+    module_name, _ = BENCHES[args.name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        raise UserError(f"benchmark {args.name!r} is not available in this build") from None
+    result = module.run_bench()
+    if args.json:
+        print_json(result)
+    else:
+        print(f"{result['name']}: ratio {result['ratio']:.3f} (candidate / baseline; > 1 means Perpetua's path is faster)")
+        for side in ("baseline", "candidate"):
+            print(f"  {side}: {result[side]}")
+    return 0
