@@ -13,7 +13,7 @@ JOB_ASSETS: dict[str, tuple[list[str], str]] = {
          "eval_report", "deployment"],
         "One iteration of the loop: harvest -> tasks -> rollouts -> rewards -> learner step -> eval -> gated deploy.",
     ),
-    "harvest": (["harvested_failures"], "Harvest new production failures from the landing zone (and MLflow traces)."),
+    "harvest": (["production_traces", "harvested_failures"], "Harvest new production failures from the landing zone (and MLflow traces)."),
     "bootstrap": (["base_policy"], "Train the base policy (cached when config and code are unchanged)."),
     "nightly_eval": (["eval_report"], "Full evaluation of the current candidate against the champion."),
 }

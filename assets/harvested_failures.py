@@ -1,0 +1,72 @@
+"""`harvested_failures`: every unique failing task seen in production so far.
+
+Thin: resolves which model versions are real, runs one incremental harvest (`ops.harvest`),
+and reports its counts, quarantine reasons, conservation and lineage. The table (schema
+`ops.harvest.HARVESTED_FAILURES`) is written by the harvest under
+PERPETUA_HOME/data/harvested_failures/failures-<generation>.parquet; its hash is the data version,
+so a harvest that finds nothing new leaves downstream assets fresh.
+"""
+
+# No `from __future__ import annotations`: Dagster reads the Config annotation at runtime.
+import dagster as dg
+from pydantic import Field
+
+from ops.harvest import HARVEST_CODE_VERSION, HarvestResult, HarvestSettings, MlflowTraceSource, harvest, resolve_known_versions
+from ops.paths import home
+
+
+class HarvestConfig(dg.Config):
+    known_model_versions: list[str] | None = Field(
+        default=None, description="Accepted model versions; default: env PERPETUA_KNOWN_MODEL_VERSIONS, else the MLflow registry."
+    )
+    registered_model_name: str = Field(default="perpetua-policy", description="Registered model whose versions are known.")
+    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow tracking URI (default: env, else PERPETUA_HOME/mlflow).")
+    mlflow_trace_experiments: list[str] = Field(default=[], description="Also harvest MLflow traces from these experiments.")
+    max_record_bytes: int = Field(default=1 << 20, description="Larger records are quarantined as oversized.")
+
+
+@dg.asset(
+    name="harvested_failures",
+    deps=["production_traces"],
+    group_name="ingest",
+    kinds={"python", "parquet"},
+    code_version=HARVEST_CODE_VERSION,
+)
+def harvested_failures(context: dg.AssetExecutionContext, config: HarvestConfig) -> dg.MaterializeResult:
+    """Validated, deduplicated production failures (bad records quarantined with reasons)."""
+    known, known_from = resolve_known_versions(config.known_model_versions, config.mlflow_tracking_uri, config.registered_model_name)
+    if not known:
+        context.log.warning(f"no known model versions ({known_from}): every landed record will be quarantined")
+    mlflow = None
+    if config.mlflow_trace_experiments:
+        uri = config.mlflow_tracking_uri or f"sqlite:///{home().mlflow / 'mlflow.db'}"
+        mlflow = MlflowTraceSource(tracking_uri=uri, experiment_names=config.mlflow_trace_experiments)
+    result = harvest(HarvestSettings(known_model_versions=known, max_record_bytes=config.max_record_bytes, mlflow=mlflow))
+    return dg.MaterializeResult(metadata=harvest_metadata(result, sorted(known), known_from), data_version=dg.DataVersion(result.data_version))
+
+
+def harvest_metadata(result: HarvestResult, known: list[str], known_from: str) -> dict:
+    c = result.counts
+    return {
+        **{k: dg.MetadataValue.int(v) for k, v in c.to_dict().items() if isinstance(v, int)},
+        "counts": dg.MetadataValue.json(c.to_dict()),
+        "quarantine_reasons": dg.MetadataValue.json(dict(c.quarantine_reasons)),
+        "conserved": dg.MetadataValue.bool(c.conserved),
+        "conservation": dg.MetadataValue.text(
+            f"read {c.read} = harvested {c.harvested} + duplicates {c.duplicates} + "
+            f"successes_skipped {c.successes_skipped} + quarantined {c.quarantined}"
+        ),
+        "families": dg.MetadataValue.json(result.families),
+        "failure_types": dg.MetadataValue.json(result.failure_types),
+        "dagster/row_count": dg.MetadataValue.int(result.n_signatures),
+        "new_signatures": dg.MetadataValue.int(result.new_signatures),
+        "trace_ids_count": dg.MetadataValue.int(c.harvested),
+        "trace_ids_sample": dg.MetadataValue.json(result.trace_ids_sample),
+        "generation": dg.MetadataValue.int(result.generation),
+        "path": dg.MetadataValue.path(str(result.failures_path) if result.failures_path else ""),
+        "batch_path": dg.MetadataValue.path(str(result.batch_path) if result.batch_path else ""),
+        "quarantine_path": dg.MetadataValue.path(str(result.quarantine_path) if result.quarantine_path else ""),
+        "known_model_versions": dg.MetadataValue.json({"versions": known, "from": known_from}),
+        "skipped_files": dg.MetadataValue.json(result.skipped_files),
+        "data_version": dg.MetadataValue.text(result.data_version),
+    }

@@ -1,0 +1,61 @@
+"""`training_tasks`: this cycle's RL tasks, from the harvested failures plus replay.
+
+Thin: reads the current failures table, calls `ops.training_tasks.build_and_write_training_tasks`
+(verifier spec per task, train / held-out split by hash of the task id, replay of earlier and
+bootstrap tasks), and reports counts and lineage. The table (schema
+`ops.training_tasks.TRAINING_TASKS`) lives at PERPETUA_HOME/data/training_tasks/tasks-<hash>.parquet;
+its hash is the data version.
+"""
+
+# No `from __future__ import annotations`: Dagster reads the Config annotation at runtime.
+from collections import Counter
+
+import dagster as dg
+from pydantic import Field
+
+from ops.harvest import read_failures
+from ops.training_tasks import TRAINING_TASKS_CODE_VERSION, TrainingTaskSettings, build_and_write_training_tasks
+
+
+class TrainingTasksConfig(dg.Config):
+    heldout_fraction: float = Field(default=0.2, description="Share of task ids held out (by hash).")
+    replay_ratio: float = Field(default=1.0, description="Replay tasks per new failure task.")
+    min_replay: int = Field(default=16, description="At least this many replay tasks.")
+    bootstrap_share: float = Field(default=0.5, description="Share of replay from bootstrap families.")
+
+
+@dg.asset(
+    name="training_tasks",
+    deps=["harvested_failures"],
+    group_name="ingest",
+    kinds={"python", "parquet"},
+    code_version=TRAINING_TASKS_CODE_VERSION,
+)
+def training_tasks(context: dg.AssetExecutionContext, config: TrainingTasksConfig) -> dg.MaterializeResult:
+    """RL tasks with verifier specs; the held-out split is never trained on."""
+    settings = TrainingTaskSettings(
+        heldout_fraction=config.heldout_fraction,
+        replay_ratio=config.replay_ratio,
+        min_replay=config.min_replay,
+        bootstrap_share=config.bootstrap_share,
+    )
+    task_set, path = build_and_write_training_tasks(read_failures(), settings)
+    t = task_set.table
+    if task_set.unverifiable:
+        context.log.warning(f"{len(task_set.unverifiable)} failures have no derivable ground truth and were left out")
+    trace_ids = [tid for ids in t["source_trace_ids"].to_pylist() for tid in ids]
+    by_split_family = Counter(f"{s}/{f}" for s, f in zip(t["split"].to_pylist(), t["family"].to_pylist()))
+    return dg.MaterializeResult(
+        metadata={
+            **{k: dg.MetadataValue.int(v) for k, v in task_set.counts.items()},
+            "families": dg.MetadataValue.json(dict(sorted(by_split_family.items()))),
+            "dagster/row_count": dg.MetadataValue.int(t.num_rows),
+            "source_trace_ids_count": dg.MetadataValue.int(len(trace_ids)),
+            "source_trace_ids_sample": dg.MetadataValue.json(trace_ids[:20]),
+            "unverifiable_task_ids": dg.MetadataValue.json(task_set.unverifiable[:50]),
+            "harvest_generation": dg.MetadataValue.int(task_set.harvest_generation),
+            "path": dg.MetadataValue.path(str(path)),
+            "data_version": dg.MetadataValue.text(task_set.data_version),
+        },
+        data_version=dg.DataVersion(task_set.data_version),
+    )

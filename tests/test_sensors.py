@@ -1,0 +1,108 @@
+"""The retraining sensor (nothing new, below threshold, threshold reached, already requested) and
+the schedules, evaluated with Dagster's own test contexts."""
+
+from __future__ import annotations
+
+import json
+
+import dagster as dg
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ops.paths import home
+from ops.task_world import generate_tasks
+from ops.traces import TRACES, TraceRecord, write_traces
+from pipelines.schedules import SCHEDULES, harvest_schedule, nightly_eval_schedule, schedules_for
+from pipelines.sensors import SENSORS, make_retraining_sensor, retraining_sensor, sensors_for
+
+TASKS = generate_tasks("mod", 80, seed=1)
+
+
+def records(start: int, n: int, outcome: str = "failure", **extra) -> list[dict]:
+    return [
+        {
+            "trace_id": f"tr-{start + i}",
+            "timestamp": "2025-01-01T00:00:00Z",
+            "model_version": "1",
+            "family": "mod",
+            "question": TASKS[(start + i) % len(TASKS)].question,
+            "messages": [],
+            "outcome": outcome,
+            **extra,
+        }
+        for i in range(n)
+    ]
+
+
+def tick(sensor: dg.SensorDefinition, cursor: str | None):
+    return sensor(dg.build_sensor_context(cursor=cursor))
+
+
+def test_nothing_new_skips(perpetua_home):
+    result = tick(make_retraining_sensor(threshold=5), None)
+    assert result.run_requests == [] and "no new failures" in result.skip_reason.skip_message
+    write_traces(records(0, 10, "success"), home().landing)  # successes are not failures
+    result = tick(make_retraining_sensor(threshold=5), result.cursor)
+    assert result.run_requests == [] and json.loads(result.cursor)["pending"] == 0
+
+
+def test_below_threshold_then_threshold_reached_then_already_requested(perpetua_home):
+    sensor = make_retraining_sensor(threshold=32)
+    write_traces(records(0, 20), home().landing)
+    below = tick(sensor, None)
+    assert below.run_requests == [] and "20 new failures" in below.skip_reason.skip_message
+    assert json.loads(below.cursor)["pending"] == 20
+
+    write_traces(records(20, 6, "error", error_type="TimeoutError"), home().landing)
+    write_traces(records(26, 4, "success", feedback={"rating": "negative"}), home().landing)  # rated badly: counts
+    table = pa.Table.from_pylist([TraceRecord.model_validate(r).model_dump() for r in records(30, 5)], schema=TRACES)
+    pq.write_table(table, home().landing / "batch.parquet")
+    reached = tick(sensor, below.cursor)
+    assert len(reached.run_requests) == 1
+    request = reached.run_requests[0]
+    assert request.run_key and request.tags["perpetua/new_failures"] == "35"
+    assert sensor.job_name == "perpetua_cycle"
+    state = json.loads(reached.cursor)
+    assert state["pending"] == 0 and state["requests"] == 1 and state["last_run_key"] == request.run_key
+
+    # the same tick evaluated again (its cursor update lost): the same run key, so one run
+    retried = tick(sensor, below.cursor)
+    assert [r.run_key for r in retried.run_requests] == [request.run_key]
+    # evaluated from the committed cursor: the batch was requested already
+    after = tick(sensor, reached.cursor)
+    assert after.run_requests == [] and "no new failures" in after.skip_reason.skip_message
+
+    # the next batch gets a new run key, and with an instance the next cycle number
+    write_traces(records(100, 40), home().landing)
+    with dg.instance_for_test() as instance:
+        next_batch = sensor(dg.build_sensor_context(instance=instance, cursor=reached.cursor))
+    assert len(next_batch.run_requests) == 1 and next_batch.run_requests[0].run_key != request.run_key
+    assert next_batch.run_requests[0].tags["perpetua/cycle"] == "1"
+
+
+def test_threshold_from_environment(perpetua_home, monkeypatch):
+    monkeypatch.setenv("PERPETUA_RETRAIN_THRESHOLD", "3")
+    write_traces(records(0, 3), home().landing)
+    assert len(tick(make_retraining_sensor(), None).run_requests) == 1
+
+
+def test_schedules_and_sensors_resolve_in_definitions():
+    assert harvest_schedule.cron_schedule == "*/5 * * * *" and harvest_schedule.job_name == "harvest"
+    assert nightly_eval_schedule.cron_schedule == "0 2 * * *" and nightly_eval_schedule.job_name == "nightly_eval"
+    assert retraining_sensor in SENSORS and {s.name for s in SCHEDULES} == {"harvest_schedule", "nightly_eval_schedule"}
+
+    @dg.op
+    def noop():
+        pass
+
+    def graph():
+        noop()
+
+    jobs = [dg.job(name=name)(graph) for name in ("harvest", "nightly_eval", "perpetua_cycle")]
+    defs = dg.Definitions(jobs=jobs, schedules=SCHEDULES, sensors=SENSORS)
+    repo = defs.get_repository_def()
+    assert repo.get_schedule_def("harvest_schedule").job_name == "harvest"
+    assert repo.get_sensor_def("retraining_sensor").job_name == "perpetua_cycle"
+    assert schedules_for(["harvest"]) == [harvest_schedule] and sensors_for(["harvest"]) == []
+    with dg.build_schedule_context(scheduled_execution_time=__import__("datetime").datetime(2025, 1, 1, 2, 0)) as ctx:
+        assert nightly_eval_schedule.evaluate_tick(ctx).run_requests

@@ -1,0 +1,167 @@
+"""Training tasks: ground truth from the verifier spec, a held-out split that no train split or
+eval set crosses, replay of earlier and bootstrap tasks, and a content-hash data version."""
+
+from __future__ import annotations
+
+import json
+
+import dagster as dg
+import pyarrow.parquet as pq
+import pytest
+
+from ops.harvest import HarvestSettings, harvest, read_failures
+from ops.paths import home
+from ops.task_world import BOOTSTRAP_FAMILIES, FAMILIES, calc, generate_tasks
+from ops.traces import write_traces
+from ops.training_tasks import (
+    TrainingTaskSettings,
+    build_and_write_training_tasks,
+    build_training_tasks,
+    ground_truth,
+    is_held_out,
+    read_training_tasks,
+    split_of,
+    standard_eval_sets,
+    training_tasks_version,
+)
+
+SETTINGS = HarvestSettings(known_model_versions=frozenset({"1"}))
+
+
+def failure(i: int, task, **overrides) -> dict:
+    r = {
+        "trace_id": f"tr-{i}",
+        "timestamp": "2025-01-01T00:00:00Z",
+        "model_version": "1",
+        "family": task.family,
+        "question": task.question,
+        "messages": [{"role": "user", "content": task.question}],
+        "final_answer": "-1",
+        "outcome": "failure",
+    }  # no ground truth at all: production does not know it
+    r.update(overrides)
+    return r
+
+
+def land_failures(tasks, start: int = 0) -> None:
+    write_traces([failure(start + i, t) for i, t in enumerate(tasks)], home().landing)
+    harvest(SETTINGS)
+
+
+def test_ground_truth_comes_from_the_family_template():
+    for fam in FAMILIES:
+        for t in generate_tasks(fam, 5, seed=11):
+            expression, answer, source = ground_truth(fam, t.question)
+            assert (expression, answer, source) == (t.expression, t.answer, "template")
+            # case and spacing do not change the truth
+            assert ground_truth(fam, "  " + t.question.upper())[:2] == (t.expression, t.answer)
+    assert ground_truth("add", "How much is 2 plus 2?") is None
+    assert ground_truth("add", "How much is 2 plus 2?", "2+2") == ("2+2", "4", "expression_hint")
+    assert ground_truth("unknown_family", "anything", "3*4")[1] == "12"
+    assert ground_truth("mod", "What is 5 mod 0?") is None  # the tool refuses: no truth
+
+
+def test_split_is_deterministic_and_about_a_fifth():
+    ids = [t.task_id for fam in FAMILIES for t in generate_tasks(fam, 300, seed=5)]
+    held = [i for i in ids if is_held_out(i)]
+    assert 0.15 < len(held) / len(ids) < 0.25
+    assert [split_of(i) for i in ids] == [split_of(i) for i in ids]
+
+
+def test_task_set_from_harvested_failures(perpetua_home):
+    drift = generate_tasks("mul_words", 60, seed=1)
+    land_failures(drift)
+    write_traces([failure(500, drift[0], question="what is 1 times 2 and a half?")], home().landing)  # no template match
+    harvest(SETTINGS)
+    task_set = build_training_tasks(read_failures())
+    t = task_set.table
+    rows = t.to_pylist()
+    truth = {x.task_id: x for x in drift}
+    failures = [r for r in rows if r["source"] == "failure"]
+    assert len(failures) == 60 and task_set.counts["unverifiable"] == 1
+    for r in failures:
+        assert (r["expression"], r["answer"]) == (truth[r["task_id"]].expression, truth[r["task_id"]].answer)
+        assert r["answer"] == calc(r["expression"]) and json.loads(r["verifier_spec"])["answer"] == r["answer"]
+        assert r["verifier"] == "calculator" and r["split"] == split_of(r["task_id"]) and r["source_trace_ids"]
+    assert task_set.counts["replay_bootstrap"] >= 16
+    assert {r["family"] for r in rows if r["source"] == "replay_bootstrap"} <= set(BOOTSTRAP_FAMILIES)
+    assert task_set.data_version == training_tasks_version(t)
+    assert build_training_tasks(read_failures()).data_version == task_set.data_version  # deterministic
+
+
+def test_held_out_tasks_are_never_trained_on(perpetua_home):
+    tasks = [t for fam in FAMILIES for t in generate_tasks(fam, 30, seed=2)]
+    land_failures(tasks)
+    task_set, _ = build_and_write_training_tasks(read_failures())
+    train = {r["task_id"] for r in task_set.table.to_pylist() if r["split"] == "train"}
+    held = {r["task_id"] for r in task_set.table.to_pylist() if r["split"] == "heldout"}
+    assert train and held and not train & held
+    eval_sets = standard_eval_sets(task_set, n_per_family=20)
+    assert set(eval_sets) == {"bootstrap", "drift", "harvested_heldout"}
+    for name, tasks_ in eval_sets.items():
+        ids = {x.task_id for x in tasks_}
+        assert ids and not ids & train, name
+        assert all(is_held_out(i) for i in ids), name
+    # a second cycle: new failures plus replay; still no overlap
+    land_failures(generate_tasks("mod", 40, seed=9), start=10_000)
+    second, _ = build_and_write_training_tasks(read_failures())
+    train2 = {r["task_id"] for r in second.table.to_pylist() if r["split"] == "train"}
+    for tasks_ in standard_eval_sets(second, n_per_family=20).values():
+        assert not {x.task_id for x in tasks_} & train2
+
+
+def test_replay_mixes_earlier_tasks_and_retries_are_idempotent(perpetua_home):
+    first_tasks = generate_tasks("add_words", 50, seed=4)
+    land_failures(first_tasks)
+    first, first_path = build_and_write_training_tasks(read_failures())
+    again, _ = build_and_write_training_tasks(read_failures())  # a retried cycle, nothing new
+    assert again.data_version == first.data_version
+    assert training_tasks_version(read_training_tasks(first_path)) == first.data_version
+    assert pq.read_table(first_path).schema.metadata[b"perpetua.harvest_generation"] == b"1"
+
+    land_failures(generate_tasks("sub_words", 50, seed=4), start=1000)
+    second, _ = build_and_write_training_tasks(read_failures(), TrainingTaskSettings(min_replay=20, bootstrap_share=0.5))
+    rows = second.table.to_pylist()
+    new = {r["task_id"] for r in rows if r["source"] == "failure" and r["split"] == "train"}
+    previous = [r for r in rows if r["source"] == "replay_previous"]
+    assert {r["family"] for r in rows if r["source"] == "failure" and r["split"] == "train"} == {"sub_words"}
+    assert previous and {r["family"] for r in previous} == {"add_words"} and all(r["split"] == "train" for r in previous)
+    assert second.counts["replay_bootstrap"] > 0
+    assert second.counts["replay_previous"] + second.counts["replay_bootstrap"] == max(20, len(new))
+    assert second.harvest_generation == 2
+
+
+def test_assets_materialize_with_lineage(perpetua_home, monkeypatch):
+    from assets.harvested_failures import harvested_failures
+    from assets.training_tasks import training_tasks
+
+    monkeypatch.setenv("PERPETUA_KNOWN_MODEL_VERSIONS", "1")
+    write_traces([failure(i, t) for i, t in enumerate(generate_tasks("sub_words", 25, seed=8))]
+                 + [failure(99, generate_tasks("add", 1, seed=0)[0], model_version="5")], home().landing)
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([harvested_failures, training_tasks], instance=instance)
+        assert result.success
+        h = result.asset_materializations_for_node("harvested_failures")[0]
+        assert h.metadata["counts"].value == {
+            "read": 26, "harvested": 25, "duplicates": 0, "successes_skipped": 0, "quarantined": 1,
+            "quarantine_reasons": {"unknown_model_version": 1},
+        }
+        assert h.metadata["conserved"].value is True and h.metadata["families"].value == {"sub_words": 25}
+        assert h.metadata["trace_ids_count"].value == 25 and len(h.metadata["trace_ids_sample"].value) == 20
+        assert h.tags["dagster/code_version"] == "harvest-1"
+        t = result.asset_materializations_for_node("training_tasks")[0]
+        table = read_training_tasks(home().data / "training_tasks" / t.metadata["path"].value.split("/")[-1])
+        assert t.tags["dagster/data_version"] == training_tasks_version(table) == t.metadata["data_version"].value
+        assert t.tags["dagster/input_data_version/harvested_failures"] == h.tags["dagster/data_version"]
+        assert t.metadata["source_trace_ids_count"].value == 25
+    assert harvested_failures.group_names_by_key[dg.AssetKey("harvested_failures")] == "ingest"
+    spec = next(iter(training_tasks.specs))
+    assert set(spec.kinds) == {"python", "parquet"} and dg.AssetKey("harvested_failures") in {d.asset_key for d in spec.deps}
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5])
+def test_heldout_fraction_is_respected(perpetua_home, fraction):
+    land_failures(generate_tasks("add_words", 80, seed=6))
+    task_set = build_training_tasks(read_failures(), settings=TrainingTaskSettings(heldout_fraction=fraction))
+    held = task_set.counts["heldout"]
+    assert held == 0 if fraction == 0.0 else 20 < held < 60
