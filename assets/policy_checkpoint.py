@@ -1,0 +1,168 @@
+"""`policy_checkpoint`: one learner step (policy vK -> vK+1) on the cycle's verified batch.
+
+The learner runs in its own process group, launched through Dagster Pipes as
+`python -m torch.distributed.run --standalone --nproc_per_node N -m ops.learner.main --config JOB`
+(gloo on CPU, NCCL on GPU; `--standalone` picks a free rendezvous port so two runs cannot
+collide). Only rank 0 talks to Dagster: it reports the one materialization (new policy version,
+checkpoint path, key metrics) that this asset returns. Per-update metrics go to MLflow from rank 0
+while the step runs, into a run this asset opens (nested under the cycle's run when its id is
+given). State: checkpoints in PERPETUA_HOME/models/learner/step-N, the new policy in
+PERPETUA_HOME/models/policy/vNNNN/hf; the base policy (v0) is read from models/base.
+"""
+
+# No `from __future__ import annotations`: Dagster reads the config annotation at decoration time.
+import json
+import os
+import sys
+from pathlib import Path
+
+import dagster as dg
+from pydantic import Field
+
+from ops.paths import home
+
+ASSET_VERSION = "1"  # bump when the learner's algorithm or this asset's logic changes
+CODE_VERSION = f"policy_checkpoint-{ASSET_VERSION}"
+CYCLE_TAG = "perpetua/cycle"
+PARENT_RUN_TAG = "perpetua/mlflow_run_id"  # the cycle's MLflow run, where the caller records it
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class PolicyCheckpointConfig(dg.Config):
+    cycle: int | None = Field(default=None, description="Cycle whose verified batch to learn from; default: the run's "
+                              "cycle tag, else the latest verified_rewards materialization, else the newest stored.")
+    nproc_per_node: int = Field(default=1, description="Learner ranks (torchrun --nproc_per_node).")
+    expert_parallel: int = Field(default=1, description="Expert-parallel size; must divide nproc_per_node.")
+    micro_batch_size: int = Field(default=8, description="Sequences per forward/backward per rank.")
+    updates_per_step: int = Field(default=1, description="Optimizer updates over the batch in this step.")
+    lr: float = Field(default=1e-4, description="AdamW learning rate.")
+    precision: str = Field(default="fp32", description="fp32, or bf16 on CUDA.")
+    learner_overrides_json: str = Field(default="{}", description="Further ops.learner.config.LearnerConfig fields, "
+                                        "as JSON (e.g. the loss or advantage settings).")
+    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow tracking URI (default: env, else "
+                                            "PERPETUA_HOME/mlflow).")
+    mlflow_experiment: str = Field(default="perpetua", description="Experiment of the learner run when it has no parent.")
+    mlflow_parent_run_id: str | None = Field(default=None, description="The cycle's MLflow run; the learner run is "
+                                             "nested under it (default: the run tag perpetua/mlflow_run_id).")
+
+
+def _cycle(context: dg.AssetExecutionContext, config: PolicyCheckpointConfig) -> int:
+    from ops.verify import stored_cycles
+
+    if config.cycle is not None:
+        return config.cycle
+    if (tag := context.run.tags.get(CYCLE_TAG)) is not None:
+        return int(tag)
+    event = context.instance.get_latest_materialization_event(dg.AssetKey("verified_rewards"))
+    if event is not None and event.asset_materialization is not None:
+        cycle = event.asset_materialization.metadata.get("cycle")
+        if cycle is not None:
+            return int(cycle.value)
+    cycles = sorted(set(stored_cycles(home().data, "verified_rewards")) & set(stored_cycles(home().data, "rollouts")))
+    if not cycles:
+        raise dg.Failure(f"no verified batch to learn from: nothing under {home().data / 'verified_rewards'}")
+    return cycles[-1]
+
+
+def _learner_config(config: PolicyCheckpointConfig, base_hf: Path):
+    from pydantic import ValidationError
+
+    from ops.learner.config import LearnerConfig
+
+    try:
+        overrides = json.loads(config.learner_overrides_json or "{}")
+        fields = {"micro_batch_size": config.micro_batch_size, "updates_per_step": config.updates_per_step,
+                  "lr": config.lr, "expert_parallel": config.expert_parallel, "precision": config.precision} | overrides
+        loss = fields.get("loss") or {}
+        if isinstance(loss, dict) and loss.get("kl_coef", 0) > 0:
+            fields.setdefault("reference_hf_dir", str(base_hf))
+        return LearnerConfig(**fields)
+    except (ValueError, ValidationError) as e:
+        raise dg.Failure(f"invalid learner configuration: {e}") from None
+
+
+def _mlflow_run(context, config: PolicyCheckpointConfig, cycle: int, learner_cfg) -> tuple[str, str]:
+    from ops import tracking
+
+    uri = config.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or tracking.local_store(home().mlflow)[0]
+    tags = tracking.dagster_tags(context.run_id, "policy_checkpoint") | {tracking.TAG_CYCLE: str(cycle)}
+    params = {"learner": json.loads(learner_cfg.model_dump_json()), "cycle": cycle}
+    parent = config.mlflow_parent_run_id or context.run.tags.get(PARENT_RUN_TAG)
+    c = tracking.client(uri)
+    if parent:
+        parent_run = c.get_run(parent)
+        run = c.create_run(parent_run.info.experiment_id, run_name="policy_checkpoint",
+                           tags={tracking.TAG_PARENT: parent, tracking.TAG_KIND: "stage",
+                                 tracking.TAG_STAGE: "policy_checkpoint"} | tags)
+    else:
+        experiment_id = tracking.ensure_experiment(uri, config.mlflow_experiment)
+        run = c.create_run(experiment_id, run_name="policy_checkpoint",
+                           tags={tracking.TAG_KIND: "stage", tracking.TAG_STAGE: "policy_checkpoint"} | tags)
+    tracking.RunLog(uri, run.info.run_id).log_params(params)
+    return uri, run.info.run_id
+
+
+@dg.asset(
+    key="policy_checkpoint",
+    deps=[dg.AssetKey("rollouts"), dg.AssetKey("verified_rewards"), dg.AssetKey("base_policy")],
+    group_name="learn",
+    kinds={"megatron", "pytorch"},
+    code_version=CODE_VERSION,
+)
+def policy_checkpoint(
+    context: dg.AssetExecutionContext,
+    config: PolicyCheckpointConfig,
+    pipes_subprocess_client: dg.PipesSubprocessClient,
+) -> dg.MaterializeResult:
+    """The next policy version: a GRPO-family step of the megatron-core MoE policy on the cycle's
+    rollouts and verified rewards (expert parallel under torchrun), checkpointed with optimizer
+    state and exported in HF format for vLLM. Metadata: policy version, checkpoint path, loss,
+    train/inference mismatch, entropy, router balance, throughput."""
+    from ops import tracking
+    from ops.checkpoint import latest_complete
+    from ops.learner.config import LearnerJob
+    from ops.verify import rewards_path, rollouts_path
+
+    h = home().ensure()
+    cycle = _cycle(context, config)
+    rollouts, rewards = rollouts_path(h.data, cycle), rewards_path(h.data, cycle)
+    for path, what in ((rollouts, "rollouts"), (rewards, "verified rewards")):
+        if not path.exists():
+            raise dg.Failure(f"cycle {cycle} has no {what} at {path}")
+    base = h.models / "base"
+    if not (base / "hf" / "config.json").exists():
+        raise dg.Failure(f"no base policy at {base / 'hf'}: materialize base_policy first")
+    if config.nproc_per_node < 1 or config.nproc_per_node % config.expert_parallel:
+        raise dg.Failure(f"expert_parallel={config.expert_parallel} must divide nproc_per_node={config.nproc_per_node}")
+    learner_cfg = _learner_config(config, base / "hf")
+    uri, run_id = _mlflow_run(context, config, cycle, learner_cfg)
+
+    jobs = h.models / "learner" / "jobs"
+    jobs.mkdir(parents=True, exist_ok=True)
+    job = LearnerJob(
+        learner=learner_cfg,
+        rollouts=[rollouts],
+        rewards=[rewards],
+        init_hf_dir=base / "hf",
+        init_checkpoint=latest_complete(base / "checkpoint"),
+        checkpoint_dir=h.models / "learner",
+        export_root=h.models / "policy",
+        result_path=jobs / f"{context.run_id}.result.json",
+        mlflow_tracking_uri=uri,
+        mlflow_run_id=run_id,
+        cycle=cycle,
+    )
+    job_path = jobs / f"{context.run_id}.json"
+    job_path.write_text(job.model_dump_json(indent=2))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               str(config.nproc_per_node), "-m", "ops.learner.main", "--config", str(job_path)]
+    env = {"PERPETUA_HOME": str(h.root), "PYTHONPATH": os.pathsep.join(
+        p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    try:
+        result = pipes_subprocess_client.run(command=command, context=context, env=env, cwd=str(REPO_ROOT))
+        materialization = result.get_materialize_result()
+    except BaseException:
+        tracking.end_run(uri, run_id, "FAILED")
+        raise
+    tracking.end_run(uri, run_id, "FINISHED")
+    return materialization

@@ -1,0 +1,112 @@
+"""The learner's batch: rollouts joined with verified rewards on (group_id, sample_index),
+group advantages, dynamic sampling counted, bad input rejected with a clear message."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+import torch
+
+from ops.advantages import AdvantageConfig, group_advantages
+from ops.learner.batch import BatchError, build_training_batch, read_batch_tables, synthetic_tables
+from ops.sequences import collate
+from ops.tables import REWARDS, ROLLOUTS, write_table
+
+
+def _replace(table: pa.Table, row: int, **values) -> pa.Table:
+    rows = table.to_pylist()
+    rows[row].update(values)
+    return pa.Table.from_pylist(rows, schema=table.schema)
+
+
+def test_join_advantages_and_dynamic_sampling_filter():
+    rollouts, rewards = synthetic_tables(groups=5, group_size=4, all_equal_groups=2, seed=7)
+    batch = build_training_batch(rollouts, rewards, AdvantageConfig(), vocab_size=512)
+    s = batch.stats
+    assert (s.rollouts, s.groups_total, s.groups_filtered_all_equal) == (20, 5, 2)
+    assert (s.samples_kept, s.samples_filtered) == (12, 8)
+    assert len(batch) == 12
+    # Advantages are group_advantages' on the joined rewards, for the kept samples only.
+    rw = {(r["group_id"], r["sample_index"]): r["reward"] for r in rewards.to_pylist()}
+    keys = sorted(rw)
+    adv = group_advantages(torch.tensor([rw[k] for k in keys], dtype=torch.float64), [k[0] for k in keys])
+    expected = {k: float(a) for k, a, keep in zip(keys, adv.advantages, adv.keep) if keep}
+    assert {(x.group_id, x.sample_index): x.advantage for x in batch.samples} == pytest.approx(expected)
+    assert all(x.reward == rw[(x.group_id, x.sample_index)] for x in batch.samples)
+    assert s.trained_tokens == sum(sum(x.sequence.loss_mask) for x in batch.samples)
+    assert s.behaviour_policy_versions == (0,)
+
+
+def test_sequences_are_prompt_plus_completion_with_aligned_behaviour_logprobs():
+    rollouts, rewards = synthetic_tables(groups=3, group_size=2, seed=1)
+    batch = build_training_batch(rollouts, rewards)
+    by_key = {(r["group_id"], r["sample_index"]): r for r in rollouts.to_pylist()}
+    seqs = [x.sequence for x in batch.samples]
+    collated, beh = collate(seqs, 0, extra=[x.behaviour_logprobs for x in batch.samples])
+    for i, x in enumerate(batch.samples):
+        row = by_key[(x.group_id, x.sample_index)]
+        assert x.sequence.ids == row["prompt_ids"] + row["completion_ids"]
+        start = len(row["prompt_ids"]) - 1
+        n = len(row["completion_ids"])
+        # target position t predicts token t+1: the completion's first token sits at len(prompt)-1
+        assert collated.tokens[i, start + 1 : start + 1 + n].tolist() == row["completion_ids"]
+        assert collated.target_mask[i, start : start + n].tolist() == [float(m) for m in row["loss_mask"]]
+        assert beh[i, start : start + n].tolist() == pytest.approx(row["behaviour_logprobs"])
+
+
+def test_batch_does_not_depend_on_row_order_and_identifies_its_tables():
+    rollouts, rewards = synthetic_tables(groups=4, group_size=3, seed=2)
+    a = build_training_batch(rollouts, rewards)
+    shuffled = rollouts.take(pa.array(list(reversed(range(rollouts.num_rows)))))
+    b = build_training_batch(shuffled, rewards)
+    assert [(x.group_id, x.sample_index, x.advantage) for x in a.samples] == \
+        [(x.group_id, x.sample_index, x.advantage) for x in b.samples]
+    changed = _replace(rewards, 0, reward=1.0 - rewards.column("reward")[0].as_py())
+    assert build_training_batch(rollouts, changed).batch_id != a.batch_id
+    assert build_training_batch(rollouts, rewards).batch_id == a.batch_id
+
+
+def test_filter_can_be_switched_off():
+    rollouts, rewards = synthetic_tables(groups=3, group_size=4, all_equal_groups=1, seed=3)
+    batch = build_training_batch(rollouts, rewards, AdvantageConfig(filter_all_equal=False))
+    assert batch.stats.groups_filtered_all_equal == 0 and len(batch) == 12
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda ro, rw: (ro, rw.slice(1)), "have no reward row"),
+        (lambda ro, rw: (ro.slice(1), rw), "match no rollout"),
+        (lambda ro, rw: (pa.concat_tables([ro, ro.slice(0, 1)]), rw), "duplicate rollout key"),
+        (lambda ro, rw: (_replace(ro, 0, loss_mask=[1]), rw), "must have equal length"),
+        (lambda ro, rw: (_replace(ro, 0, behaviour_logprobs=[0.5] * len(ro.column("loss_mask")[0].as_py())), rw),
+         "not a finite value <= 0"),
+        (lambda ro, rw: (_replace(ro, 0, prompt_ids=[9999]), rw), "outside the policy's vocabulary"),
+        (lambda ro, rw: (_replace(ro, 0, prompt_ids=[]), rw), "empty prompt_ids"),
+        (lambda ro, rw: (ro, _replace(rw, 0, reward=float("nan"))), "is not finite"),
+        (lambda ro, rw: (ro.slice(0, 0), rw.slice(0, 0)), "empty"),
+    ],
+)
+def test_bad_input_is_rejected_with_a_clear_message(mutate, message):
+    rollouts, rewards = synthetic_tables(groups=2, group_size=2, seed=4)
+    ro, rw = mutate(rollouts, rewards)
+    with pytest.raises(BatchError, match=message):
+        build_training_batch(ro, rw, vocab_size=512)
+
+
+def test_too_long_sequences_are_rejected():
+    rollouts, rewards = synthetic_tables(groups=2, group_size=2, seed=5)
+    with pytest.raises(BatchError, match="exceed the policy's max_position_embeddings 8"):
+        build_training_batch(rollouts, rewards, max_length=8)
+
+
+def test_tables_are_read_with_their_schemas(tmp_path):
+    rollouts, rewards = synthetic_tables(groups=2, group_size=2, seed=6)
+    write_table(rollouts, ROLLOUTS, tmp_path / "r.parquet")
+    write_table(rewards, REWARDS, tmp_path / "w.parquet")
+    ro, rw = read_batch_tables([tmp_path / "r.parquet"], [tmp_path / "w.parquet"])
+    assert ro.num_rows == rw.num_rows == 4
+    with pytest.raises(BatchError, match="rollouts: .*perpetua.table"):
+        read_batch_tables([tmp_path / "w.parquet"], [tmp_path / "w.parquet"])
+    with pytest.raises(BatchError, match="not found"):
+        read_batch_tables([tmp_path / "missing.parquet"], [tmp_path / "w.parquet"])

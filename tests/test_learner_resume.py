@@ -1,0 +1,132 @@
+"""Kill and resume: a learner process killed in the middle of step 2 (after an optimizer update,
+or after writing the checkpoint tensors but before the COMPLETE marker) leaves step 1 as the
+newest complete checkpoint; the re-run resumes from it and produces bit-identical weights and
+optimizer state to an uninterrupted run. A `.partial` checkpoint is never picked up, and a
+re-run of a finished step does not train again."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def make_base_policy(out: Path, seed: int = 99) -> Path:
+    from ops import checkpoint, hf_convert, tokenizer as tok_lib
+    from ops.policy_model import PRESETS, build_model, init_single_process
+
+    cfg = PRESETS["tiny"]
+    tok_lib.save_hf_tokenizer(tok_lib.train_tokenizer(cfg.vocab_size), out / "tokenizer")
+    tokenizer = tok_lib.load_hf_tokenizer(out / "tokenizer")
+    init_single_process()
+    model = build_model(cfg, seed=seed)
+    return hf_convert.export_hf(cfg, checkpoint.global_state_dict(model, cfg.num_experts), out / "hf", tokenizer,
+                                extra={"perpetua_policy_version": 0})
+
+
+def job_for(home: Path, base: Path, data: Path, cycle: int):
+    from ops.learner.config import LearnerConfig, LearnerJob
+
+    return LearnerJob(
+        learner=LearnerConfig(lr=1e-3, micro_batch_size=8, updates_per_step=2),
+        rollouts=[data / f"rollouts-{cycle}.parquet"], rewards=[data / f"rewards-{cycle}.parquet"],
+        init_hf_dir=base, checkpoint_dir=home / "learner", export_root=home / "policy", cycle=cycle,
+    )
+
+
+def run_process(job, path: Path, **env) -> subprocess.CompletedProcess:
+    path.write_text(job.model_dump_json())
+    return subprocess.run([sys.executable, "-m", "ops.learner.main", "--config", str(path)], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **env}, capture_output=True, text=True, timeout=300)
+
+
+def all_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Model and optimizer tensors of a checkpoint."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(ckpt), str(Path(tmp) / "full.pt"))
+        full = torch.load(Path(tmp) / "full.pt", weights_only=False)
+    out = {f"model/{k}": v for k, v in full["model"].items()}
+    for name, state in full["optim"].items():
+        out |= {f"optim/{name}/{k}": v for k, v in state.items()}
+    return out
+
+
+def test_killed_step_resumes_from_last_complete_checkpoint(tmp_path):
+    from ops.checkpoint import latest_complete, meta
+    from ops.learner.batch import synthetic_tables
+    from ops.learner.main import CRASH_AFTER_UPDATE, CRASH_BEFORE_COMMIT, CRASH_EXIT_CODE, init_world, run_job
+    from ops.tables import REWARDS, ROLLOUTS, write_table
+
+    base = make_base_policy(tmp_path / "base")
+    data = tmp_path / "data"
+    for cycle in (1, 2):
+        ro, rw = synthetic_tables(4, 4, seed=10 + cycle, cycle=cycle)
+        write_table(ro, ROLLOUTS, data / f"rollouts-{cycle}.parquet")
+        write_table(rw, REWARDS, data / f"rewards-{cycle}.parquet")
+    init_world(1, 0)
+    quiet = lambda m: None  # noqa: E731
+
+    # Uninterrupted: step 1 on cycle 1, step 2 on cycle 2.
+    straight = tmp_path / "straight"
+    r1 = run_job(job_for(straight, base, data, 1), quiet)
+    r2 = run_job(job_for(straight, base, data, 2), quiet)
+    assert (r1["policy_version"], r2["policy_version"], r2["parent_policy_version"]) == (1, 2, 1)
+    assert r2["optimizer_updates"] == 4
+
+    # Interrupted: the same step 1, then step 2 is killed twice before it completes.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight / "learner" / "step-000001", resumed / "learner" / "step-000001")
+    job2 = job_for(resumed, base, data, 2)
+    p = run_process(job2, tmp_path / "job2.json", **{CRASH_AFTER_UPDATE: "1"})
+    assert p.returncode == CRASH_EXIT_CODE, p.stderr[-3000:]
+    assert "update 1 " in p.stdout and "update 2 " not in p.stdout  # died between the two updates
+    assert sorted(x.name for x in (resumed / "learner").iterdir()) == ["step-000001"]
+    assert not (resumed / "policy").exists()
+
+    p = run_process(job2, tmp_path / "job2.json", **{CRASH_BEFORE_COMMIT: "1"})
+    assert p.returncode == CRASH_EXIT_CODE, p.stderr[-3000:]
+    partial = resumed / "learner" / "step-000002.partial"
+    assert partial.is_dir() and any(partial.glob("*.distcp")) and not (partial / "COMPLETE").exists()
+    assert latest_complete(resumed / "learner").name == "step-000001"  # the .partial is never picked up
+
+    # The re-run resumes from step 1 and lands exactly where the uninterrupted run did.
+    again = run_job(job2, quiet)
+    assert (again["policy_version"], again["parent_policy_version"], again["reused"]) == (2, 1, False)
+    assert sorted(x.name for x in (resumed / "learner").iterdir()) == ["step-000001", "step-000002"]
+    assert [h["loss"] for h in again["history"]] == [h["loss"] for h in r2["history"]]
+    a = all_tensors(straight / "learner" / "step-000002")
+    b = all_tensors(resumed / "learner" / "step-000002")
+    assert a.keys() == b.keys() and any(k.endswith("/exp_avg_sq") for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
+    assert meta(resumed / "learner" / "step-000002")["optimizer_updates"] == 4
+    from ops.hf_convert import load_hf_tensors
+
+    ha, hb = load_hf_tensors(Path(r2["hf_dir"])), load_hf_tensors(Path(again["hf_dir"]))
+    assert all(torch.equal(ha[k], hb[k]) for k in ha)
+
+    # Running the finished step once more does not train again (the checkpoint holds this batch).
+    shutil.rmtree(Path(again["hf_dir"]))
+    same = run_job(job2, quiet)
+    assert same["reused"] is True and same["policy_version"] == 2
+    assert latest_complete(resumed / "learner").name == "step-000002"
+    hc = load_hf_tensors(Path(same["hf_dir"]))  # the missing export was completed from the checkpoint
+    assert all(torch.equal(ha[k], hc[k]) for k in ha)
+
+
+def test_bad_job_is_a_clear_error_without_traceback(tmp_path):
+    bad = tmp_path / "job.json"
+    bad.write_text('{"rollouts": []}')
+    p = subprocess.run([sys.executable, "-m", "ops.learner.main", "--config", str(bad)], cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert "bad job file" in p.stderr and "Traceback" not in p.stderr

@@ -1,0 +1,175 @@
+"""One learner step on CPU with real megatron-core (gloo, one process): the policy moves toward
+positive-advantage samples and away from negative ones; the MoE load-balancing loss is active;
+micro-batching does not change the update; metrics mean what they say."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ops.grpo_loss import LossConfig
+from ops.learner.batch import TrainingBatch, build_training_batch, synthetic_tables, with_behaviour_logprobs
+from ops.learner.config import LearnerConfig
+from ops.learner.step import Learner, LearnerError, plan_micro_batches
+from ops.policy_model import PRESETS, init_single_process
+
+TINY = PRESETS["tiny"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    init_single_process(0)
+
+
+def on_policy_batch(learner: Learner, groups=6, group_size=4, seed=0, **kw) -> TrainingBatch:
+    """A synthetic batch whose behaviour log-probs are the learner's own (as if vLLM had the same
+    weights): the train/inference mismatch is then zero up to float noise."""
+    rollouts, rewards = synthetic_tables(groups, group_size, vocab_size=TINY.vocab_size, seed=seed)
+    draft = build_training_batch(rollouts, rewards, learner.cfg.advantage, **kw)
+    own = learner.completion_logprobs(draft.samples)
+    rollouts = with_behaviour_logprobs(rollouts, {(s.group_id, s.sample_index): lp for s, lp in zip(draft.samples, own)})
+    return build_training_batch(rollouts, rewards, learner.cfg.advantage, **kw)
+
+
+def weights(learner: Learner) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in learner.state_dict().items()}
+
+
+def test_step_raises_logprobs_of_positive_and_lowers_negative_advantage_samples():
+    learner = Learner(TINY, LearnerConfig(lr=1e-3, micro_batch_size=8, seed=3))
+    batch = on_policy_batch(learner)
+    adv = torch.tensor([s.advantage for s in batch.samples], dtype=torch.float64)
+    assert (adv > 0).any() and (adv < 0).any()
+    before = learner.sequence_logprobs(batch.samples)
+    result = learner.train_step(batch)
+    after = learner.sequence_logprobs(batch.samples)
+    delta = after - before
+    assert delta[adv > 0].mean() > 0 and delta[adv < 0].mean() < 0
+    assert (delta[adv > 0] > 0).float().mean() >= 0.8
+    assert (delta[adv < 0] < 0).float().mean() >= 0.8
+    assert float((adv * delta).sum()) > 0
+
+    (m,) = result.updates
+    assert m["mismatch"] < 1e-5  # on-policy: behaviour log-probs are the learner's own
+    assert m["ratio_mean"] == pytest.approx(1.0) and m["clip_fraction"] == 0.0
+    assert m["tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert m["num_tokens"] == batch.stats.trained_tokens and m["tokens"] == batch.stats.tokens
+    assert math.log(TINY.vocab_size) * 0.8 < m["entropy"] <= math.log(TINY.vocab_size) + 1e-6  # random init
+    assert m["grad_norm"] > 0 and m["tokens_per_s"] > 0 and m["step_seconds"] > 0
+    assert m["load_balancing_loss"] >= 1.0 - 1e-6  # switch loss: 1.0 at perfect balance, higher otherwise
+    assert m["aux_loss"] == pytest.approx(m["load_balancing_loss"] * TINY.moe_aux_loss_coeff)
+    assert 0 < m["router_balance_entropy"] <= 1 and m["router_max_load"] >= 1 >= m["router_min_load"]
+    counts = torch.tensor(m["tokens_per_expert"])
+    assert counts.shape == (TINY.num_layers, TINY.num_experts)
+    assert (counts.sum(dim=1) == batch.stats.tokens * TINY.moe_router_topk).all()  # padding not counted
+    assert m["optimizer_step"] == 1 == learner.optimizer_updates
+
+
+def test_load_balancing_loss_is_active_in_backward():
+    """Zero advantages: the policy gradient is zero, so only megatron's aux loss (added through
+    MoEAuxLossAutoScaler in backward) can move the weights: the routers and what feeds them (earlier
+    layers), never the last layer's experts or the output layer. Without the aux loss nothing moves."""
+    cfg = LearnerConfig(lr=1e-3, micro_batch_size=8)
+    rollouts, rewards = synthetic_tables(3, 4, all_equal_groups=3, seed=1)
+    from ops.advantages import AdvantageConfig
+
+    no_filter = cfg.model_copy(update={"advantage": AdvantageConfig(filter_all_equal=False)})
+    batch = build_training_batch(rollouts, rewards, no_filter.advantage)
+    assert all(s.advantage == 0 for s in batch.samples)
+
+    learner = Learner(TINY, no_filter)
+    w0 = weights(learner)
+    (m,) = learner.train_step(batch).updates
+    w1 = weights(learner)
+    changed = {k for k in w0 if not torch.equal(w0[k], w1[k])}
+    assert m["pg_loss"] == 0.0 and m["grad_norm"] > 0 and m["load_balancing_loss"] > 0
+    assert all(f"decoder.layers.{i}.mlp.router.weight" in changed for i in range(TINY.num_layers))
+    last = TINY.num_layers - 1
+    assert not any(f"decoder.layers.{last}.mlp.experts." in k for k in changed)
+    assert any("decoder.layers.0.mlp.experts." in k for k in changed)  # they feed the next routers
+    assert "output_layer.weight" not in changed and "decoder.final_layernorm.weight" not in changed
+
+    off = Learner(TINY.model_copy(update={"moe_aux_loss_coeff": 0.0}), no_filter)
+    w0 = weights(off)
+    (m,) = off.train_step(batch).updates
+    assert m["grad_norm"] == 0.0 and m["load_balancing_loss"] == 0.0
+    assert all(torch.equal(w0[k], v) for k, v in weights(off).items())
+
+
+def test_micro_batching_does_not_change_the_update():
+    """The loss is normalised by the global token count, so accumulating 5 micro-batches equals
+    one batch (the aux loss, a per-micro-batch quantity, is off here)."""
+    policy = TINY.model_copy(update={"moe_aux_loss_coeff": 0.0})
+    results = {}
+    for mbs in (5, 24):
+        learner = Learner(policy, LearnerConfig(lr=1e-4, micro_batch_size=mbs, seed=5))
+        batch = on_policy_batch(learner, seed=2)
+        (m,) = learner.train_step(batch).updates
+        results[mbs] = (m, weights(learner))
+    (m5, w5), (m24, w24) = results[5], results[24]
+    assert m5["loss"] == pytest.approx(m24["loss"], rel=1e-5, abs=1e-8)
+    assert m5["grad_norm"] == pytest.approx(m24["grad_norm"], rel=1e-5)
+    assert max(float((w5[k] - w24[k]).abs().max()) for k in w5) < 1e-6
+
+
+def test_several_updates_keep_logp_old_from_the_start_of_the_step():
+    learner = Learner(TINY, LearnerConfig(lr=3e-3, micro_batch_size=12, updates_per_step=3, grad_clip=None))
+    batch = on_policy_batch(learner, seed=4)
+    updates = learner.train_step(batch).updates
+    assert [u["optimizer_step"] for u in updates] == [1, 2, 3]
+    assert updates[0]["ratio_mean"] == pytest.approx(1.0) and updates[0]["clip_fraction"] == 0
+    assert updates[2]["ratio_max"] > 1.0 > updates[2]["ratio_min"]  # later updates see pi_theta != pi_old
+    assert updates[2]["clip_fraction"] > 0
+    assert updates[1]["mismatch"] == pytest.approx(updates[0]["mismatch"])  # logp_old is fixed in the step
+
+
+def test_kl_penalty_against_a_reference_policy(tmp_path):
+    from ops import hf_convert
+
+    learner = Learner(TINY, LearnerConfig(micro_batch_size=12))
+    ref_dir = hf_convert.export_hf(TINY, learner.state_dict(), tmp_path / "ref")
+    cfg = LearnerConfig(lr=3e-3, micro_batch_size=12, updates_per_step=2, reference_hf_dir=ref_dir,
+                        loss=LossConfig(kl_coef=0.1))
+    learner = Learner(TINY, cfg)  # same seed: same weights as the reference
+    updates = learner.train_step(on_policy_batch(learner, seed=6)).updates
+    assert updates[0]["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert updates[1]["kl"] > 0
+    assert updates[1]["loss"] == pytest.approx(updates[1]["pg_loss"] + 0.1 * updates[1]["kl"], rel=1e-6)
+
+
+def test_micro_batch_plan_under_data_parallelism():
+    rollouts, rewards = synthetic_tables(7, 1, seed=8)
+    from ops.advantages import AdvantageConfig
+
+    samples = build_training_batch(rollouts, rewards, AdvantageConfig(filter_all_equal=False)).samples
+    assert len(samples) == 7
+    r0 = plan_micro_batches(samples, 3, dp_size=2, dp_rank=0, pad_id=0)
+    r1 = plan_micro_batches(samples, 3, dp_size=2, dp_rank=1, pad_id=0)
+    assert len(r0) == len(r1) == 2  # 3 global micro-batches over 2 ranks: 2 micro-steps each
+    for a, b in zip(r0, r1):
+        assert a.tokens.shape == b.tokens.shape and a.tokens.shape[0] == 3
+    assert [m.real for m in r0] == [True, True] and [m.real for m in r1] == [True, False]
+    assert r1[1].target_mask.sum() == 0 and (~r1[1].padding).any()  # filler: nothing trained, real tokens routed
+    real_rows = sum(int((~m.padding).any(dim=1).sum()) for m in r0 + r1 if m.real)
+    assert real_rows == 7
+    assert sum(m.target_mask.sum() for m in r0 + r1) == sum(s.trained_tokens for s in samples)
+
+
+def test_bf16_needs_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(LearnerError, match="bf16"):
+        Learner(TINY, LearnerConfig(precision="bf16"))
+
+
+def test_a_batch_without_signal_leaves_the_weights_alone():
+    rollouts, rewards = synthetic_tables(3, 4, all_equal_groups=3, seed=9)
+    batch = build_training_batch(rollouts, rewards)
+    assert len(batch) == 0 and batch.stats.groups_filtered_all_equal == 3
+    learner = Learner(TINY, LearnerConfig())
+    w0 = weights(learner)
+    result = learner.train_step(batch)
+    assert result.updates == [] and learner.optimizer_updates == 0
+    assert all(torch.equal(w0[k], v) for k, v in weights(learner).items())
