@@ -28,6 +28,10 @@ class EngineConfig(BaseModel):
     enable_expert_parallel: Annotated[bool, Field(description="Expert parallelism for MoE layers on GPUs")] = False
     enforce_eager: Annotated[bool | None, Field(description="No CUDA graphs; None = True on CPU, False on CUDA")] = None
     seed: Annotated[int, Field(description="Engine seed")] = 0
+    worker_extension_cls: Annotated[
+        str | None,
+        Field(description="Worker extension class (refit that is correct for MoE on CPU; see ops.rollout.vllm_worker)"),
+    ] = "ops.rollout.vllm_worker.PerpetuaWorkerExtension"
 
     def resolved_dtype(self) -> str:
         if self.dtype != "auto":
@@ -68,6 +72,8 @@ def llm_kwargs(model_dir: str, cfg: EngineConfig) -> dict:
         seed=cfg.seed,
         tensor_parallel_size=cfg.tensor_parallel_size,
     )
+    if cfg.worker_extension_cls:
+        kwargs["worker_extension_cls"] = cfg.worker_extension_cls
     if cuda_available():
         kwargs |= dict(gpu_memory_utilization=cfg.gpu_memory_utilization,
                        enable_expert_parallel=cfg.enable_expert_parallel)
@@ -87,6 +93,8 @@ def server_args(model_dir: str, cfg: EngineConfig, host: str = "127.0.0.1", port
             "--tensor-parallel-size", str(kw["tensor_parallel_size"])]
     if kw["enforce_eager"]:
         args.append("--enforce-eager")
+    if cfg.worker_extension_cls:
+        args += ["--worker-extension-cls", cfg.worker_extension_cls]
     if cuda_available():
         args += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
         if cfg.enable_expert_parallel:

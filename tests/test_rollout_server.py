@@ -1,0 +1,154 @@
+"""The server backend against a real vLLM OpenAI-compatible server (started once, ~45-60 s):
+supervision (start, reuse, stop), one group of tool episodes token-in/token-out with log-probs
+checked against transformers, the stale-policy guard and one refit through the dev endpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from ops import task_world
+from ops import tokenizer as tok_lib
+from ops.paths import Home
+from ops.rollout.engine import EngineStartError, StalePolicyError
+from ops.rollout.groups import SamplingConfig, generate_groups, rollouts_table
+from ops.tables import ROLLOUTS
+from pipelines import vllm_server
+
+TASKS = [t for fam in ("add", "sub", "mul_words") for t in task_world.generate_tasks(fam, 2, seed=21)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def perturbed_copy(src: Path, dst: Path, version: int, noise: float = 0.5) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    for name, t in tensors.items():
+        if t.dim() == 2:
+            tensors[name] = t + noise * t.std() * torch.randn(t.shape, generator=g)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(cfg | {"perpetua_policy_version": version}))
+    return dst
+
+
+def max_logprob_diff(model_dir: Path, rows: list[dict]) -> float:
+    from transformers import MixtralForCausalLM
+
+    model = MixtralForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32).eval()
+    worst = 0.0
+    with torch.no_grad():
+        for r in rows:
+            ids = torch.tensor([r["prompt_ids"] + r["completion_ids"]])
+            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+            ref = logp.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)[len(r["prompt_ids"]) - 1 :]
+            for lp, want, m in zip(r["behaviour_logprobs"], ref.tolist(), r["loss_mask"]):
+                if m:
+                    worst = max(worst, abs(lp - want))
+    return worst
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Home:
+    return Home(tmp_path_factory.mktemp("perpetua-home")).ensure()
+
+
+@pytest.fixture(scope="module")
+def server(home, base_policy_dir):
+    from ops.vllm_engine import EngineConfig
+
+    port = _free_port()
+    info = vllm_server.start(base_policy_dir, EngineConfig(max_num_seqs=32), port=port, h=home)
+    print(f"vLLM server healthy after {info.start_seconds:.1f} s")
+    yield info
+    vllm_server.stop(port, h=home)
+
+
+@pytest.fixture(scope="module")
+def engine(server):
+    from ops.rollout.server import ServerEngine
+
+    eng = ServerEngine([server.url], max_concurrency=16)
+    yield eng
+    eng.close()
+
+
+def test_supervisor_reuses_a_healthy_server(server, home, base_policy_dir):
+    again = vllm_server.start(base_policy_dir, port=server.port, h=home)
+    assert again.reused and again.pid == server.pid
+    assert vllm_server.status(server.port, h=home).pid == server.pid
+    assert Path(server.log).is_file() and Path(server.log).parent == home.root / "services"
+    with pytest.raises(vllm_server.VllmServerError, match="bind 127.0.0.1"):
+        vllm_server.start(base_policy_dir, host="0.0.0.0", port=server.port + 1, h=home)
+    with pytest.raises(vllm_server.VllmServerError, match="no config.json"):
+        vllm_server.start(home.root, port=_free_port(), h=home)
+
+
+def test_group_through_server(engine, base_policy_dir):
+    assert engine.policy_version == 0  # labelled from config.json at start
+    tokenizer = tok_lib.load_hf_tokenizer(base_policy_dir)
+    batch = generate_groups(engine, tokenizer, TASKS, SamplingConfig(group_size=4, seed=3), cycle=1, require_version=0)
+    rows = batch.rows
+    assert rollouts_table(rows).schema == ROLLOUTS and len(rows) == len(TASKS) * 4
+    assert len({r["group_id"] for r in rows}) == len(TASKS)
+    for r in rows:
+        assert len(r["completion_ids"]) == len(r["behaviour_logprobs"]) == len(r["loss_mask"]) > 0
+        assert r["policy_version"] == 0
+    tool_rows = [r for r in rows if r["tool_calls"]]
+    assert tool_rows, batch.finish_reasons
+    for r in tool_rows:
+        result = tokenizer.encode(task_world.tool_result_line(r["tool_calls"][0]), add_special_tokens=False)
+        start = r["loss_mask"].index(0)
+        assert r["completion_ids"][start : start + len(result)] == result
+    assert max_logprob_diff(base_policy_dir, rows) < 1e-3
+
+
+def test_refit_through_dev_endpoints(engine, base_policy_dir, tmp_path_factory):
+    tokenizer = tok_lib.load_hf_tokenizer(base_policy_dir)
+    with pytest.raises(StalePolicyError):
+        generate_groups(engine, tokenizer, TASKS[:1], SamplingConfig(group_size=1), require_version=1)
+    new_dir = perturbed_copy(base_policy_dir, tmp_path_factory.mktemp("srv-refit") / "v1", version=1)
+    before = generate_groups(engine, tokenizer, TASKS, SamplingConfig(group_size=2, seed=9)).rows
+    info = engine.load_weights(new_dir)
+    print(f"server refit: {info.seconds * 1000:.0f} ms, {info.bytes / 1e6:.1f} MB")
+    assert engine.policy_version == 1 and info.policy_version == 1
+    after = generate_groups(engine, tokenizer, TASKS, SamplingConfig(group_size=2, seed=9), require_version=1).rows
+    assert {r["policy_version"] for r in after} == {1}
+    assert [r["behaviour_logprobs"] for r in after] != [r["behaviour_logprobs"] for r in before]
+    assert max_logprob_diff(new_dir, after) < 1e-3
+
+
+def test_client_errors_are_clear(server):
+    from ops.rollout.server import ServerEngine
+
+    with pytest.raises(EngineStartError, match="no vLLM server answers"):
+        ServerEngine([f"http://127.0.0.1:{_free_port()}"])
+
+
+def test_start_failure_names_the_memory_setting(tmp_path):
+    log = tmp_path / "vllm.log"
+    log.write_text("ValueError: Available memory on node 0 (3.1/23 GiB) on kv cache allocation is less than requested memory\n")
+    msg = vllm_server.start_failure(1, log, {"VLLM_CPU_KVCACHE_SPACE": "64"})
+    assert "VLLM_CPU_KVCACHE_SPACE" in msg and "kv_cache_gib" in msg and "64 GiB" in msg
+
+
+def test_stop_ends_the_server_process_group(server, home):
+    import psutil
+
+    assert vllm_server.stop(server.port, h=home)
+    assert not psutil.pid_exists(server.pid) or psutil.Process(server.pid).status() == psutil.STATUS_ZOMBIE
+    assert vllm_server.status(server.port, h=home) is None
+    assert not vllm_server.pid_file(home, server.port).exists()
