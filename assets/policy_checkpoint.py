@@ -19,12 +19,14 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
+from assets.cycle_run import cycle_run_id
+from assets.metering import cost_metadata, metered
+
 from ops.paths import home
 
 ASSET_VERSION = "1"  # bump when the learner's algorithm or this asset's logic changes
 CODE_VERSION = f"policy_checkpoint-{ASSET_VERSION}"
 CYCLE_TAG = "perpetua/cycle"
-PARENT_RUN_TAG = "perpetua/mlflow_run_id"  # the cycle's MLflow run, where the caller records it
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -87,7 +89,7 @@ def _mlflow_run(context, config: PolicyCheckpointConfig, cycle: int, learner_cfg
     uri = config.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or tracking.local_store(home().mlflow)[0]
     tags = tracking.dagster_tags(context.run_id, "policy_checkpoint") | {tracking.TAG_CYCLE: str(cycle)}
     params = {"learner": json.loads(learner_cfg.model_dump_json()), "cycle": cycle}
-    parent = config.mlflow_parent_run_id or context.run.tags.get(PARENT_RUN_TAG)
+    parent = config.mlflow_parent_run_id or cycle_run_id(context, uri, config.mlflow_experiment, cycle)
     c = tracking.client(uri)
     if parent:
         parent_run = c.get_run(parent)
@@ -159,10 +161,14 @@ def policy_checkpoint(
     env = {"PERPETUA_HOME": str(h.root), "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     try:
-        result = pipes_subprocess_client.run(command=command, context=context, env=env, cwd=str(REPO_ROOT))
+        with metered("learner", cycle) as meter:  # the torchrun processes count as waited-for children
+            result = pipes_subprocess_client.run(command=command, context=context, env=env, cwd=str(REPO_ROOT))
         materialization = result.get_materialize_result()
     except BaseException:
         tracking.end_run(uri, run_id, "FAILED")
         raise
     tracking.end_run(uri, run_id, "FINISHED")
-    return materialization
+    return dg.MaterializeResult(
+        metadata={**(materialization.metadata or {}), **cost_metadata(meter), "mlflow_run_id": run_id},
+        data_version=materialization.data_version,
+    )

@@ -8,6 +8,8 @@ bumping a verifier marks the stored rewards stale; `perpetua rescore` re-scores 
 
 # No `from __future__ import annotations`: Dagster reads the config annotation at decoration time.
 import dagster as dg
+
+from assets.metering import cost_metadata, metered
 from pydantic import Field
 
 from ops.paths import home
@@ -54,7 +56,8 @@ def verified_rewards(context: dg.AssetExecutionContext, config: VerifiedRewardsC
     version, from sandboxed verifiers that re-execute what the model claimed."""
     cycle = _cycle(context, config)
     try:
-        report, path, table = score_cycle(home().data, cycle, workers=config.workers or None)
+        with metered("verify", cycle) as meter:  # sandboxed verifier processes are waited-for children
+            report, path, table = score_cycle(home().data, cycle, workers=config.workers or None)
     except NothingToScore as e:
         raise dg.Failure(str(e)) from None
     summary = report.summary()
@@ -82,4 +85,5 @@ def verified_rewards(context: dg.AssetExecutionContext, config: VerifiedRewardsC
         "summary": dg.MetadataValue.json(summary),
     }
     metadata.update({f"share_{k.replace('-', '_')}": dg.MetadataValue.float(v) for k, v in summary["outcome_share"].items()})
+    metadata.update(cost_metadata(meter))
     return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(table_hash(table)))

@@ -16,9 +16,13 @@ def add_arguments(p) -> None:
 
 
 def _default_model(tmp: Path) -> Path:
+    import json
+
     from ops.paths import home
 
-    for candidate in (home().models / "champion" / "hf", home().models / "base" / "hf"):
+    pointer = home().models / "champion.json"  # written by the deployment asset and rollback
+    champion = [Path(json.loads(pointer.read_text())["hf_dir"])] if pointer.exists() else []
+    for candidate in (*champion, home().models / "base" / "hf"):
         if (candidate / "config.json").exists():
             return candidate
     from ops import checkpoint, hf_convert, tokenizer as tok_lib

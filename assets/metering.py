@@ -1,0 +1,26 @@
+"""Each stage measures its own cost: a StageMeter around the work, recorded with the cycle's
+tables (ops.cycle_costs) and returned as asset metadata."""
+
+import contextlib
+
+from ops import cycle_costs
+from ops.cost import StageMeter
+from ops.paths import home
+
+
+@contextlib.contextmanager
+def metered(stage: str, cycle: int, watch_pids=()):
+    """`with metered("rollouts", cycle, [server_pid]) as meter: ...`; meter.cost after the block."""
+    meter = StageMeter(stage)
+    with meter:
+        for pid in watch_pids:
+            if pid:
+                meter.watch_process(pid)
+        yield meter
+    cycle_costs.record(home().data, cycle, meter.cost)
+
+
+def cost_metadata(meter) -> dict:
+    c = meter.cost
+    return {"cost_usd": float(c.dollars), "cpu_core_seconds": float(c.cpu_core_seconds),
+            "gpu_seconds": dict(c.gpu_seconds), "stage_wall_seconds": float(c.wall_seconds)}
