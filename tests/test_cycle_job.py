@@ -1,0 +1,86 @@
+"""One whole cycle of the loop through Dagster on the real engines: landing traces -> harvest ->
+training tasks -> vLLM rollouts -> sandboxed rewards -> megatron-core learner step (torchrun via
+Pipes) -> eval vs champion -> the blocking gate (and deploy when it passes).
+
+The gate's verdict after one small step is not fixed in advance; the test asserts the cycle
+either deployed a candidate that the gate found better, or was stopped by the gate with reasons.
+"""
+
+import shutil
+import socket
+
+import dagster as dg
+
+from ops import policies, registry, tracking
+from ops.paths import home
+from ops.task_world import generate_tasks
+from ops.traces import write_traces
+from pipelines import vllm_server
+from pipelines.definitions import defs
+from pipelines.resources import MlflowTracking, PolicyServer
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _failure(i, task, version):
+    return {
+        "trace_id": f"prod-{i}", "timestamp": f"2026-01-01T00:{i // 60 % 60:02d}:{i % 60:02d}Z", "model_version": version,
+        "family": task.family, "question": task.question,
+        "messages": [{"role": "user", "content": task.question}, {"role": "assistant", "content": "ANSWER 0"}],
+        "final_answer": "0", "finish_reason": "answer", "outcome": "failure",
+    }
+
+
+def test_one_cycle_through_dagster(perpetua_home, base_policy_dir, monkeypatch):
+    uri = tracking.local_store(home().mlflow)[0]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    shutil.copytree(base_policy_dir.parent, home().models / "base")
+    ports = (_port(), _port())
+    resources = {"trainer_server": PolicyServer(port=ports[0]), "production_server": PolicyServer(port=ports[1]),
+                 "mlflow": MlflowTracking(tracking_uri=uri), "pipes_subprocess_client": dg.PipesSubprocessClient()}
+    try:
+        champion = registry.register_candidate(uri, policies.hf_dir(0), policies.REGISTERED_MODEL,
+                                               tags={"perpetua.policy_version": 0})
+        registry.deploy(uri, policies.REGISTERED_MODEL, champion, lambda v, d: resources["production_server"].serve(d))
+        tasks = generate_tasks("add_words", 40, seed=11) + generate_tasks("mod", 24, seed=11)
+        write_traces([_failure(i, t, champion) for i, t in enumerate(tasks)], home().landing)
+
+        job_assets = [defs.get_assets_def(k) for k in ("harvested_failures", "training_tasks", "rollouts",
+                                                      "verified_rewards", "policy_checkpoint", "eval_report", "deployment")]
+        checks = list(defs.get_repository_def().asset_checks_defs_by_key.values())
+        run_config = {"ops": {"rollouts": {"config": {"max_tasks": 16, "group_size": 4}},
+                              "eval_report": {"config": {"target_per_family": 6, "guard_per_family": 6, "production_tasks": 6}}}}
+        with dg.instance_for_test() as instance:
+            result = dg.materialize(job_assets + checks, resources=resources, instance=instance, run_config=run_config,
+                                    tags={"perpetua/cycle": "1"}, raise_on_error=False)
+            meta = lambda a: {k: v.value for k, v in result.asset_materializations_for_node(a)[0].metadata.items()}  # noqa: E731
+            assert meta("harvested_failures")["harvested"] == len(tasks)
+            rollouts = meta("rollouts")
+            assert rollouts["rollouts"] == 16 * 4 and rollouts["policy_version"] == 0
+            assert 0.0 <= meta("verified_rewards")["mean_reward"] <= 1.0
+            assert meta("policy_checkpoint")["policy_version"] == 1
+            report = meta("eval_report")
+            assert report["candidate_version"] == 1 and report["champion_version"] == 0
+            assert report["cycle_cost_usd"] > 0
+            gate = [e for e in result.get_asset_check_evaluations() if e.check_name == "deploy_gate"][0]
+            deployed = result.asset_materializations_for_node("deployment")
+            if gate.passed:
+                assert result.success and deployed
+                assert registry.champion_version(uri, policies.REGISTERED_MODEL) != champion
+            else:
+                assert not deployed and gate.metadata["reasons"].value
+                assert registry.champion_version(uri, policies.REGISTERED_MODEL) == champion
+            # The MLflow record of the cycle: one parent run with nested stage runs.
+            c = tracking.client(uri)
+            parent = c.get_run(report["mlflow_run_id"])
+            children = c.search_runs([parent.info.experiment_id],
+                                     filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+            assert {r.data.tags.get("perpetua.stage") for r in children} >= {"policy_checkpoint", "eval"}
+            assert "intelligence_per_dollar" in parent.data.metrics
+    finally:
+        for p in ports:
+            vllm_server.stop(p)
