@@ -1,0 +1,203 @@
+"""The real Dagster UI over the project's code location, driven by a real browser.
+
+A temporary PERPETUA_HOME gets one harvest (production_traces observed, harvested_failures
+materialized through the `harvest` job); `dagster-webserver -w workspace.yaml` serves it on a
+free port on 127.0.0.1; Playwright drives Debian's Chromium (/usr/bin/chromium; no browser
+download) through the global asset lineage, the automation list, the retraining sensor and the
+materialization, and asserts what a user would read there. Screenshots go to tmp_path and are
+copied to test-output/ui/ (git-ignored) for a look.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-quic"]
+LOCATION = "pipelines.definitions"
+pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed (pip install -e '.[test]')")  # the code location name workspace.yaml gives the module
+
+pytestmark = [
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (make setup installs it as root)"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_up(url: str, proc: subprocess.Popen, log: Path, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"dagster-webserver exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/server_info", timeout=2) as r:
+                if r.status == 200 and "dagster_version" in json.loads(r.read()):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"dagster-webserver did not answer /server_info within {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def graphql(url: str, query: str) -> dict:
+    req = urllib.request.Request(url + "/graphql", data=json.dumps({"query": query}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (webserver and its code server), SIGKILL what stays."""
+    pgid = proc.pid  # start_new_session: the group id is the leader's pid
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        proc.poll()
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.25)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def harvested(perpetua_home, monkeypatch):
+    """One harvest of a small landing zone in the project's instance; returns its result."""
+    import dagster as dg
+    from test_harvest import rec  # module-level helper: one production trace record
+
+    from ops.traces import write_traces
+    from pipelines.commands.harvest import run_harvest
+
+    dagster_home = perpetua_home / "dagster"
+    (dagster_home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    monkeypatch.setenv("DAGSTER_HOME", str(dagster_home))
+    write_traces([rec(i, "failure" if i % 3 else "success") for i in range(12)], perpetua_home / "landing")
+    with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+        return run_harvest({"known_model_versions": ["1", "2"]}, instance=instance)
+
+
+@pytest.fixture
+def webserver(harvested, perpetua_home, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "webserver.log"
+    env = {**os.environ, "PERPETUA_HOME": str(perpetua_home), "DAGSTER_HOME": str(perpetua_home / "dagster")}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).with_name("dagster-webserver")), "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        wait_until_up(url, proc, log)
+        # The community sign-up dialog covers the first page on 127.0.0.1; mark it seen, as its Skip button does.
+        assert graphql(url, "mutation { setNuxSeen }")["data"]["setNuxSeen"] is True
+        yield url
+    finally:
+        stop(proc)
+
+
+def expand_all_groups(page) -> None:
+    """Click every collapsed asset group in the lineage graph; the reload re-fits the view."""
+    page.locator("foreignObject").first.wait_for()
+    collapsed = page.locator("[class*=CollapsedGroupNode_collapsedGroupNodeBox]")
+    for _ in range(3):
+        if collapsed.count() == 0:
+            return
+        while collapsed.count():
+            collapsed.first.click()
+            page.wait_for_timeout(300)
+        page.reload()
+        page.wait_for_load_state("networkidle")
+        page.locator("foreignObject").first.wait_for()
+        page.wait_for_timeout(800)
+
+
+def test_dagster_ui_shows_the_graph_the_sensor_and_a_materialization(webserver, harvested, tmp_path):
+    from playwright.sync_api import expect, sync_playwright
+
+    from pipelines.definitions import defs
+
+    graph = defs.resolve_asset_graph()
+    asset_names = sorted(k.to_user_string() for k in graph.get_all_asset_keys())
+    groups = sorted({graph.get(k).group_name for k in graph.get_all_asset_keys()})
+    sensors = sorted(s.name for s in defs.sensors or [])
+    schedules = sorted(s.name for s in defs.schedules or [])
+    assert "retraining_sensor" in sensors and "harvested_failures" in asset_names
+    counts = {k: harvested[k] for k in ("read", "harvested", "duplicates", "successes_skipped", "quarantined")}
+    conservation = " + ".join(f"{k} {v}" for k, v in counts.items() if k != "read")
+    conservation = f"read {counts['read']} = {conservation}"
+    shots = tmp_path / "ui"
+    shots.mkdir()
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_context(viewport={"width": 1920, "height": 1080}).new_page()
+            page.set_default_timeout(30_000)
+
+            # Global asset lineage: every group, and every asset once the groups are expanded.
+            page.goto(webserver + "/asset-groups")
+            page.wait_for_load_state("networkidle")
+            expect(page.get_by_text("Global asset lineage")).to_be_visible()
+            expand_all_groups(page)
+            for name in asset_names:
+                expect(page.locator("foreignObject").get_by_text(name, exact=True).first).to_be_visible()
+            for group in groups:
+                expect(page.locator("foreignObject").get_by_text(group, exact=True).first).to_be_visible()
+            page.screenshot(path=str(shots / "lineage.png"))
+
+            # Automation: every sensor and schedule of the code location.
+            page.goto(webserver + "/automation")
+            page.wait_for_load_state("networkidle")
+            for name in sensors + schedules:
+                expect(page.get_by_text(name, exact=True).first).to_be_visible()
+            page.screenshot(path=str(shots / "automation.png"))
+
+            # The retraining sensor's own page: its description names the job it starts.
+            sensor = next(s for s in defs.sensors if s.name == "retraining_sensor")
+            page.goto(f"{webserver}/locations/{LOCATION}/sensors/retraining_sensor")
+            expect(page.get_by_text("retraining_sensor").first).to_be_visible()
+            expect(page.get_by_text(sensor.description).first).to_be_visible()
+            page.screenshot(path=str(shots / "sensor.png"))
+
+            # The materialization: its metadata as the harvest reported it, and the run it came from.
+            page.goto(webserver + "/assets/harvested_failures?view=events")
+            expect(page.get_by_text(conservation).first).to_be_visible()
+            expect(page.get_by_text(f"Materialized in run {harvested['dagster_run_id'][:8]}").first).to_be_visible()
+            expect(page.get_by_text(harvested["failures_table"]).first).to_be_visible()
+            page.screenshot(path=str(shots / "materialization.png"), full_page=True)
+        finally:
+            browser.close()
+
+    out = ROOT / "test-output" / "ui"
+    out.mkdir(parents=True, exist_ok=True)
+    for png in shots.glob("*.png"):
+        assert png.stat().st_size > 10_000, png  # a real rendering, not an empty page
+        shutil.copy2(png, out / png.name)
