@@ -62,7 +62,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_
         batch = generate_groups(engine, load_hf_tokenizer(model_dir), tasks, sampling, cycle=cycle,
                                 require_version=version)
         meter.add_tokens(batch.total_tokens)
-    table = write_table(batch.table().select(ROLLOUTS.names), ROLLOUTS, rollouts_path(home().data, cycle))
+    table = write_table(batch.table(), ROLLOUTS, rollouts_path(home().data, cycle))
     rewards_seen = sum(1 for r in batch.rows if r["final_answer"] is not None)
     return dg.MaterializeResult(
         metadata={

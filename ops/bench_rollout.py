@@ -1,19 +1,20 @@
 """`perpetua bench rollout`: the rollout path against raw vLLM, side by side in one process.
 
-baseline  = `vllm.LLM.generate` called directly: the same token-id prompts (G per task) and
-            the same SamplingParams (temperature, top_p, per-sample seed, max_tokens, stop at
-            newline/EOS, logprobs=0), one call.
+baseline  = the same episodes written directly against `vllm.LLM.generate`: G token-id prompts
+            per task, one generate call per turn with the same SamplingParams (temperature,
+            top_p, per-turn seed, budget, stop at newline/EOS, logprobs=0), the tool line
+            appended after each CALL; no engine contract, no bookkeeping, no rows.
 candidate = the project's path, `ops.rollout.groups.generate_groups` on the same engine:
             TurnRequests through the RolloutEngine contract (version checks, retries, timeout
             thread), multi-turn episodes (tool calls, RESULT tokens), ROLLOUTS rows.
 ratio     = candidate tokens/s / baseline tokens/s over model-generated tokens (> 1: the rollout
             path is faster; the goal is >= 0.9, i.e. at most 10% overhead).
 
-The first turn of every episode uses the same seed as the baseline request, so with the same
-weights both paths sample the same first-turn tokens (`first_turn_identical` says how often).
-With a policy that calls the tool, the candidate also runs the later turns (more, smaller
-engine calls), which is the real cost of multi-turn rollouts. The default policy is a random
-tiny MoE (mostly one-turn episodes: the comparison is then pure overhead).
+Both paths use the same seeds, so with the same weights they sample the same episodes token for
+token (`episodes_identical_to_baseline`): they do the same vLLM work, and the ratio is the
+rollout path's overhead. The policy: `model_dir`, else the base policy in PERPETUA_HOME
+(models/base/hf, multi-turn tool episodes) if there is one, else a random tiny MoE (mostly
+one-turn episodes).
 
 Also measured: engine start seconds, and refit seconds and bytes (in-place reload of a
 perturbed copy of the weights, `reload_weights_repacked`).
@@ -72,24 +73,57 @@ def bench_tasks(n_tasks: int, seed: int = 0) -> list[task_world.Task]:
     return [t for f in fams for t in task_world.generate_tasks(f, per, seed)][:n_tasks]
 
 
-def _raw_generate(llm, tokenizer, tasks, cfg: SamplingConfig, cycle: int) -> tuple[list[list[int]], float]:
+def _raw_episodes(llm, tokenizer, tasks, cfg: SamplingConfig, cycle: int, max_model_len: int):
+    """The baseline: the same episodes written directly against `vllm.LLM.generate`.
+
+    Same per-turn seeds, stops and budgets as ops.rollout.episodes, so with the same weights it
+    samples the same tokens; what it leaves out is the project's machinery (engine contract,
+    version checks, retries, log-prob/mask bookkeeping, rows).
+    """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    stops = [tok_lib.newline_id(tokenizer), tokenizer.eos_token_id]
-    prompts, params = [], []
+    nl, eos = tok_lib.newline_id(tokenizer), tokenizer.eos_token_id
+    stops = [nl, eos]
+    eps = []
     for task in tasks:
-        ids = tokenizer.encode(task_world.prompt_text(task))
+        prompt = tokenizer.encode(task_world.prompt_text(task))
         for i in range(cfg.group_size):
-            prompts.append(TokensPrompt(prompt_token_ids=ids))
-            params.append(SamplingParams(
-                n=1, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens, stop_token_ids=stops,
-                seed=turn_seed(sample_seed(cfg.seed, cycle, task.task_id, i), 0), logprobs=0, detokenize=False,
-            ))  # fmt: skip
+            eps.append({"ids": list(prompt), "n": len(prompt), "turn": 0, "generated": 0,
+                        "seed": sample_seed(cfg.seed, cycle, task.task_id, i)})
     start = time.monotonic()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    live = eps
+    while live:
+        batch, prompts, params = [], [], []
+        for e in live:
+            budget = min(cfg.max_tokens - (len(e["ids"]) - e["n"]), max_model_len - len(e["ids"]))
+            if e["turn"] >= task_world.MAX_TURNS or budget < 1:
+                continue
+            batch.append(e)
+            prompts.append(TokensPrompt(prompt_token_ids=e["ids"]))
+            params.append(SamplingParams(
+                n=1, temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=budget, stop_token_ids=stops,
+                seed=turn_seed(e["seed"], e["turn"]), logprobs=0, detokenize=False, skip_special_tokens=False,
+            ))  # fmt: skip
+        outs = llm.generate(prompts, params, use_tqdm=False) if batch else []
+        live = []
+        for e, out in zip(batch, outs):
+            toks = list(out.outputs[0].token_ids)
+            e["ids"] += toks
+            e["generated"] += len(toks)
+            e["turn"] += 1
+            if not toks or toks[-1] != nl:
+                continue  # EOS or out of tokens: the episode ends
+            action = task_world.parse_action(tokenizer.decode(toks[:-1], skip_special_tokens=False))
+            if action.kind != "call":
+                continue
+            tool = tokenizer.encode(task_world.tool_result_line(action.argument), add_special_tokens=False)
+            if len(e["ids"]) - e["n"] + len(tool) > cfg.max_tokens or len(e["ids"]) + len(tool) > max_model_len:
+                continue
+            e["ids"] += tool
+            live.append(e)
     seconds = time.monotonic() - start
-    return [list(o.outputs[0].token_ids) for o in outs], seconds
+    return [e["ids"][e["n"]:] for e in eps], sum(e["generated"] for e in eps), seconds
 
 
 def run_bench(
@@ -105,7 +139,12 @@ def run_bench(
 
     work = Path(tempfile.mkdtemp(prefix="perpetua-bench-rollout-"))
     try:
-        model_dir = Path(model_dir) if model_dir is not None else random_policy(work / "policy")
+        if model_dir is None:
+            from ops.paths import home
+
+            base = home().models / "base" / "hf"
+            model_dir = base if (base / "config.json").exists() else random_policy(work / "policy")
+        model_dir = Path(model_dir)
         tokenizer = tok_lib.load_hf_tokenizer(model_dir)
         cfg = SamplingConfig(group_size=group_size, temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=0)
         tasks = bench_tasks(n_tasks)
@@ -115,7 +154,7 @@ def run_bench(
         try:
             version = engine.policy_version
             # Warm-up (the first batch of a fresh engine is slow): both paths, small.
-            _raw_generate(engine.llm, tokenizer, tasks[:2], cfg, cycle=99)
+            _raw_episodes(engine.llm, tokenizer, tasks[:2], cfg, 99, engine.max_model_len)
             generate_groups(engine, tokenizer, tasks[:2], cfg, cycle=98)
 
             base_runs, cand_runs = [], []
@@ -123,16 +162,16 @@ def run_bench(
                 order = ("baseline", "candidate") if rep % 2 == 0 else ("candidate", "baseline")
                 for which in order:
                     if which == "baseline":
-                        ids, seconds = _raw_generate(engine.llm, tokenizer, tasks, cfg, cycle=rep)
-                        base_runs.append((sum(map(len, ids)), seconds, ids))
+                        ids, tokens, seconds = _raw_episodes(engine.llm, tokenizer, tasks, cfg, rep, engine.max_model_len)
+                        base_runs.append((tokens, seconds, ids))
                     else:
                         batch = generate_groups(engine, tokenizer, tasks, cfg, cycle=rep, require_version=version)
                         cand_runs.append((batch.completion_tokens, batch.seconds, batch))
             base_tps = [t / s for t, s, _ in base_runs]
             cand_tps = [t / s for t, s, _ in cand_runs]
-            # Same seeds, same weights: the first turn of each episode equals the raw sample.
+            # Same seeds, same weights: both paths sample the same episodes, token for token.
             raw_ids, rows = base_runs[0][2], cand_runs[0][2].rows
-            identical = sum(r["completion_ids"][: len(b)] == b for r, b in zip(rows, raw_ids)) / len(rows)
+            identical = sum(r["completion_ids"] == b for r, b in zip(rows, raw_ids)) / len(rows)
 
             refit_dir = perturbed_copy(model_dir, work / "refit", version=(version or 0) + 1)
             refits = [engine.load_weights(refit_dir), engine.load_weights(model_dir, version)]
@@ -143,7 +182,7 @@ def run_bench(
             "name": "rollout",
             "ratio": round(statistics.median(cand_tps) / statistics.median(base_tps), 4),
             "baseline": {
-                "what": "raw vllm.LLM.generate: same token prompts and SamplingParams (seeds, stops), one call",
+                "what": "the same episodes as direct vllm.LLM.generate calls (same seeds, stops, tool lines), no rollout machinery",
                 "tokens": [t for t, _, _ in base_runs], "seconds": [round(s, 4) for _, s, _ in base_runs],
                 "tokens_per_s": round(statistics.median(base_tps), 1),
             },
@@ -153,7 +192,7 @@ def run_bench(
                 "tokens_per_s": round(statistics.median(cand_tps), 1),
                 "finish_reasons": last.finish_reasons,
                 "mean_turns": round(sum(r["turns"] for r in last.rows) / len(last.rows), 3),
-                "first_turn_identical": round(identical, 4),
+                "episodes_identical_to_baseline": round(identical, 4),
             },
             "refit": {
                 "method": "collective_rpc reload_weights_repacked (in place) + prefix cache reset",

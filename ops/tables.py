@@ -35,7 +35,8 @@ ROLLOUTS = pa.schema(
         ("turns", pa.int32()),
         ("tool_calls", pa.list_(pa.string())),
         ("final_answer", pa.string()),  # null when the episode gave none
-        ("finish_reason", pa.string()),  # answer | invalid_action | max_turns | max_tokens | env_error
+        ("finish_reason", pa.string()),  # answer | invalid_action | max_turns | max_tokens | env_error | engine_error
+        ("error", pa.string()),  # why an env_error / engine_error episode broke (null otherwise)
         ("prompt_tokens", pa.int32()),
         ("completion_tokens", pa.int32()),  # model-generated tokens only
         ("generation_seconds", pa.float32()),

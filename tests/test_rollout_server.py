@@ -152,3 +152,28 @@ def test_stop_ends_the_server_process_group(server, home):
     assert not psutil.pid_exists(server.pid) or psutil.Process(server.pid).status() == psutil.STATUS_ZOMBIE
     assert vllm_server.status(server.port, h=home) is None
     assert not vllm_server.pid_file(home, server.port).exists()
+
+
+def test_round_robin_spreads_and_fails_over():
+    from ops.rollout.server import RoundRobin
+
+    rr = RoundRobin(["http://a:1/", "http://b:2", "http://c:3"])
+    firsts = [rr.order() for _ in range(4)]
+    assert [o[0] for o in firsts] == ["http://a:1", "http://b:2", "http://c:3", "http://a:1"]
+    assert all(sorted(o) == sorted(rr.urls) for o in firsts)  # every server is a fail-over candidate
+    with pytest.raises(ValueError):
+        RoundRobin([])
+
+
+def test_parse_completion_is_token_in_token_out():
+    from ops.rollout.engine import EngineFailure
+    from ops.rollout.server import parse_completion
+
+    resp = {"choices": [{"finish_reason": "stop", "stop_reason": 202, "token_ids": [7, 9, 202],
+                         "logprobs": {"tokens": ["token_id:7", "token_id:9", "token_id:202"],
+                                      "token_logprobs": [-0.1, -0.2, -0.3]}}]}
+    r = parse_completion(resp)
+    assert (r.token_ids, r.logprobs, r.finish_reason, r.stop_token_id) == ([7, 9, 202], [-0.1, -0.2, -0.3], "stop", 202)
+    resp["choices"][0]["logprobs"]["tokens"] = ["a", "b", "c"]
+    with pytest.raises(EngineFailure, match="return_tokens_as_token_ids"):
+        parse_completion(resp)

@@ -58,6 +58,11 @@ def start_error_message(model_dir: str | Path, error: BaseException) -> str:
         hint = " -- vLLM's CPU attention kernels need head_dim >= 64"
     elif not (Path(model_dir) / "config.json").exists():
         hint = f" -- {model_dir} is not an HF model directory (no config.json)"
+    else:  # vLLM's own message points at worker logs (stderr above) for the root cause
+        hint = (
+            " -- the root cause is in the vLLM log above; if it is memory, lower EngineConfig.kv_cache_gib "
+            f"(env VLLM_CPU_KVCACHE_SPACE, now {os.environ.get('VLLM_CPU_KVCACHE_SPACE', 'unset')} GiB)"
+        )
     return f"vLLM engine for {model_dir} did not start: {text}{hint}"
 
 
@@ -89,8 +94,11 @@ class OfflineEngine(RolloutEngine):
             self._llm = make_llm(str(self.model_dir), self.cfg)
         except Exception as e:  # noqa: BLE001 - vLLM raises many types; all mean "did not start"
             raise EngineStartError(start_error_message(self.model_dir, e)) from e
-        if self.weights_dir != self.model_dir:
-            self._reload(self.weights_dir)
+        if self.weights_dir != self.model_dir:  # a restart after refits: back to the latest weights
+            try:
+                self._reload(self.weights_dir)
+            except Exception as e:  # noqa: BLE001
+                raise EngineStartError(f"restarted engine could not reload {self.weights_dir}: {e}") from e
         self._label(self._version)
 
     def _reload(self, weights_dir: Path) -> None:

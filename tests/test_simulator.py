@@ -1,0 +1,88 @@
+"""The production simulator against a real vLLM server on the tiny bootstrapped policy:
+`perpetua simulate --json` end to end (server start, drifting traffic, episodes, traces in the
+landing zone that the trace contract accepts), with the failure rate per family in its output.
+Unit checks of the drift mix and the report run without an engine."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from ops import task_world, traces
+from ops.paths import Home
+from ops.simulator import Traffic, failure_rates
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_traffic_drifts_with_production_time():
+    traffic = Traffic(seed=3)
+    early = [traffic.task_at(0.0).family for _ in range(300)]
+    late = [traffic.task_at(1.0).family for _ in range(300)]
+    assert "mod" not in early and "sub_words" not in early and "add_words" in early
+    assert {"mod", "mul_words", "sub_words"} <= set(late)
+    drift_share = lambda fams: sum(task_world.FAMILIES[f].kind == "drift" for f in fams) / len(fams)
+    assert drift_share(late) > drift_share(early) + 0.2
+
+
+def test_failure_rates_by_window():
+    def rec(family, outcome):
+        return traces.TraceRecord(trace_id=f"{family}-{outcome}-{id(object())}", timestamp="2025-01-01T00:00:00Z", model_version="1",
+                                  family=family, question="q", messages=[], outcome=outcome)
+
+    records = [rec("add", "success"), rec("add", "failure"), rec("mod", "failure"), rec("mod", "error")]
+    rows, by_family = failure_rates(records, [0.1, 0.2, 0.9, 1.0], windows=2)
+    assert {(r["window"], r["family"]): r["rate"] for r in rows} == {(0, "add"): 0.5, (1, "mod"): 1.0}
+    assert by_family["mod"] == {"kind": "drift", "requests": 2, "failures": 2, "rate": 1.0}
+
+
+def test_simulate_command_against_real_server(perpetua_home, base_policy_dir, capsys):
+    from pipelines import vllm_server
+    from pipelines.cli import main
+
+    port = _free_port()
+    try:
+        code = main(["simulate", "--model-dir", str(base_policy_dir), "--requests", "48", "--wave-size", "16",
+                     "--port", str(port), "--json", "--stop-server"])  # fmt: skip
+    finally:
+        vllm_server.stop(port)
+    out = capsys.readouterr().out
+    assert code == 0
+    result = json.loads(out)
+    assert result["requests"] == 48 and sum(result["outcomes"].values()) == 48
+    assert result["model_version"] == "0" and result["policy_version"] == 0
+    # Every landing record fits the trace contract, one file per wave.
+    landing = perpetua_home / "landing"
+    files = sorted(landing.glob("simulator-*.jsonl"))
+    assert len(files) == 3 and [str(f) for f in files] == sorted(result["landing_files"])
+    records = [traces.validate_json_line(line) for f in files for line in f.read_text().splitlines()]
+    assert all(isinstance(r, traces.TraceRecord) for r in records), [r for r in records if isinstance(r, str)]
+    assert len({r.trace_id for r in records}) == 48
+    for r in records:
+        assert r.outcome in ("success", "failure", "error") and r.usage.completion_tokens > 0
+        assert (r.outcome == "success") == (r.final_answer == r.task.answer)
+        assert r.messages[0].role == "user" and len(r.tool_calls) == sum(m.role == "tool" for m in r.messages)
+    assert any(r.tool_calls for r in records)
+    # The drift shows in the report: drift families only where the mix has them.
+    rates = result["failure_rate"]
+    assert all(0.0 <= row["rate"] <= 1.0 for row in rates)
+    assert not [row for row in rates if row["family"] == "mod" and row["t_end"] <= task_world.FAMILIES["mod"].appears_at]
+    drift = {f: v for f, v in result["by_family"].items() if v["kind"] == "drift"}
+    boot = {f: v for f, v in result["by_family"].items() if v["kind"] == "bootstrap"}
+    assert drift and boot and sum(v["requests"] for v in result["by_family"].values()) == 48
+    print("\nfailure rate by family:", {f: (v["rate"], v["requests"]) for f, v in result["by_family"].items()})
+    print("drift families by window:", [(r["window"], r["family"], r["rate"]) for r in rates if r["kind"] == "drift"])
+    assert not vllm_server.pid_file(Home(perpetua_home), port).exists()
+
+
+def test_simulate_without_a_champion_is_a_clear_error(perpetua_home, capsys):
+    from pipelines.cli import main
+
+    assert main(["simulate", "--port", str(_free_port())]) == 2
+    assert "no champion to serve" in capsys.readouterr().err
