@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ops.paths import Home, home
+from pipelines import processes
 from ops.tracking import local_store
 
 DEFAULT_HOST = "127.0.0.1"
@@ -63,27 +62,9 @@ def health(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 def _is_mlflow_server(pid: int) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
+    cmdline = processes.cmdline(pid)
     return b"mlflow" in cmdline and b"server" in cmdline
-
-
-def _port_open(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.5)
-        return s.connect_ex((host, port)) == 0
 
 
 def status(h: Home | None = None) -> MlflowServer | None:
@@ -97,9 +78,9 @@ def status(h: Home | None = None) -> MlflowServer | None:
     except (ValueError, TypeError):
         path.unlink(missing_ok=True)
         return None
-    if _alive(info.pid) and _is_mlflow_server(info.pid) and health(info.url):
+    if processes.alive(info.pid) and _is_mlflow_server(info.pid) and health(info.url):
         return info
-    if not _alive(info.pid):
+    if not processes.alive(info.pid):
         path.unlink(missing_ok=True)
     return None
 
@@ -125,7 +106,7 @@ def start(
     if running is not None:
         return running
     h.mlflow.mkdir(parents=True, exist_ok=True)
-    if _port_open(host, port):
+    if processes.port_open(host, port):
         raise MlflowServerError(
             f"port {port} on {host} is already in use by another process; choose another port "
             f"(an MLflow server started for a different PERPETUA_HOME?)"
@@ -155,11 +136,11 @@ def start(
     deadline = time.monotonic() + timeout_s
     while not health(url, timeout_s=1.0):
         if proc.poll() is not None:
-            raise MlflowServerError(f"mlflow server exited with code {proc.returncode}; log: {_tail(log_path)}")
+            raise MlflowServerError(f"mlflow server exited with code {proc.returncode}; log: {processes.tail(log_path)}")
         if time.monotonic() > deadline:
-            _kill_group(proc.pid, grace_s=5.0)
+            processes.kill_group(proc.pid, grace_s=5.0)
             proc.wait(timeout=5)
-            raise MlflowServerError(f"mlflow server not healthy after {timeout_s:.0f} s; log: {_tail(log_path)}")
+            raise MlflowServerError(f"mlflow server not healthy after {timeout_s:.0f} s; log: {processes.tail(log_path)}")
         time.sleep(0.25)
     pid_file(h).write_text(json.dumps({k: v for k, v in asdict(info).items() if k != "reused"}))
     return info
@@ -173,38 +154,8 @@ def stop(h: Home | None = None, grace_s: float = 10.0) -> bool:
         return False
     info = json.loads(path.read_text())
     pid = int(info["pid"])
-    was_running = _alive(pid) and _is_mlflow_server(pid)
+    was_running = processes.alive(pid) and _is_mlflow_server(pid)
     if was_running:
-        _kill_group(pid, grace_s)
+        processes.kill_group(pid, grace_s)
     path.unlink(missing_ok=True)
     return was_running
-
-
-def _kill_group(pid: int, grace_s: float) -> None:
-    # The server's uvicorn and job-runner children share its process group (own session):
-    # SIGTERM the group, give the leader `grace_s`, then SIGKILL whatever of the group is left.
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            _reap(pid)
-            if not _alive(pid):
-                break
-            time.sleep(0.1)
-
-
-def _reap(pid: int) -> None:
-    try:
-        os.waitpid(pid, os.WNOHANG)  # our own child: collect it so it does not linger as a zombie
-    except ChildProcessError:
-        pass
-
-
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-n:])
-    except OSError:
-        return "(no log)"

@@ -15,9 +15,6 @@ endpoints), bound to 127.0.0.1 only, logging to PERPETUA_HOME/services/vllm-<por
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ops.paths import Home, home
+from pipelines import processes
 from ops.rollout.engine import read_policy_version
 from ops.vllm_engine import EngineConfig, server_args, server_env
 
@@ -72,27 +70,9 @@ def health(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 def _is_vllm_server(pid: int) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
+    cmdline = processes.cmdline(pid)
     return b"vllm.entrypoints.openai.api_server" in cmdline
-
-
-def _port_open(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.5)
-        return s.connect_ex((host, port)) == 0
 
 
 def status(port: int = DEFAULT_PORT, h: Home | None = None) -> VllmServer | None:
@@ -106,9 +86,9 @@ def status(port: int = DEFAULT_PORT, h: Home | None = None) -> VllmServer | None
     except (ValueError, TypeError):
         path.unlink(missing_ok=True)
         return None
-    if _alive(info.pid) and _is_vllm_server(info.pid) and health(info.url):
+    if processes.alive(info.pid) and _is_vllm_server(info.pid) and health(info.url):
         return info
-    if not _alive(info.pid):
+    if not processes.alive(info.pid):
         path.unlink(missing_ok=True)
     return None
 
@@ -139,7 +119,7 @@ def start(
     if not (model_dir / "config.json").exists():
         raise VllmServerError(f"{model_dir} is not an HF model directory (no config.json)")
     version = policy_version if policy_version is not None else read_policy_version(model_dir)
-    if _port_open(host, port):
+    if processes.port_open(host, port):
         raise VllmServerError(
             f"port {port} on {host} is already in use by another process; choose another port "
             "(a vLLM server started for a different PERPETUA_HOME?)"
@@ -162,8 +142,8 @@ def start(
         if proc.poll() is not None:
             raise VllmServerError(start_failure(proc.returncode, log_path, env))
         if time.monotonic() > deadline:
-            _kill_group(proc.pid, grace_s=10.0)
-            raise VllmServerError(f"vLLM server not healthy after {timeout_s:.0f} s; log {log_path}: {_tail(log_path)}")
+            processes.kill_group(proc.pid, grace_s=10.0)
+            raise VllmServerError(f"vLLM server not healthy after {timeout_s:.0f} s; log {log_path}: {processes.tail(log_path)}")
         time.sleep(0.5)
     info = VllmServer(url, proc.pid, host, port, str(model_dir), str(log_path), time.time(), time.monotonic() - began)
     if version is not None:
@@ -174,7 +154,7 @@ def start(
 
 def start_failure(code: int, log_path: Path, env: dict[str, str]) -> str:
     """Why the server exited during start-up, naming the setting to change when it is memory."""
-    tail = _tail(log_path, 25)
+    tail = processes.tail(log_path, 25)
     low = tail.lower()
     if any(k in low for k in ("kv cache", "memory", "oom", "cannot allocate", "kv_cache")):
         return (
@@ -194,9 +174,9 @@ def stop(port: int = DEFAULT_PORT, h: Home | None = None, grace_s: float = 15.0)
     if not path.exists():
         return False
     pid = int(json.loads(path.read_text())["pid"])
-    was_running = _alive(pid) and _is_vllm_server(pid)
+    was_running = processes.alive(pid) and _is_vllm_server(pid)
     if was_running:
-        _kill_group(pid, grace_s)
+        processes.kill_group(pid, grace_s)
     path.unlink(missing_ok=True)
     return was_running
 
@@ -214,39 +194,3 @@ def _post(url: str, body: dict) -> None:
             r.read()
     except OSError as e:
         raise VllmServerError(f"POST {url} failed: {e} (is VLLM_SERVER_DEV_MODE=1 set?)") from None
-
-
-def _kill_group(pid: int, grace_s: float) -> None:
-    # The API server, its engine core and its workers share the process group (own session):
-    # SIGTERM the group, wait up to `grace_s` for the leader, then SIGKILL what is left.
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            _reap(pid)
-            if not _alive(pid):
-                break
-            time.sleep(0.1)
-    # Workers that outlived the leader are still in the group.
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _reap(pid: int) -> None:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
-
-
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        lines = [ln for ln in path.read_text(errors="replace").strip().splitlines() if ln.strip()]
-        return " | ".join(lines[-n:])
-    except OSError:
-        return "(no log)"
