@@ -12,7 +12,9 @@ from assets.metering import cost_metadata, metered
 from ops import cycle_costs, policies, registry, tracking
 from ops.cost import Campaign, CycleRecord
 from ops.deploy_gate import GateConfig, decide
-from ops.eval_stats import EvalScores
+from ops.ipd_plot import save_ipd_plot
+from ops.tables import REWARDS, ROLLOUTS, read_table, table_hash
+from ops.verify import rewards_path, rollouts_path
 from ops.evaluation import EvalConfig, eval_sets, evaluate_policy
 from ops.paths import home
 from ops.tokenizer import load_hf_tokenizer
@@ -102,10 +104,22 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
         for who, ev in (("candidate", cand), ("champion", champ)):
             log.log_metrics({f"{who}.{s}.pass_at_1": v.pass_at_1 for s, v in ev.scores.items()}, step=cycle)
         log.log_dict(report, f"eval/cycle-{cycle}.json")
+        for table, schema, context_name in ((rollouts_path, ROLLOUTS, "training"), (rewards_path, REWARDS, "training")):
+            path_t = table(home().data, cycle)
+            if path_t.exists():
+                t = read_table(path_t, schema)
+                log.log_dataset(t.to_pandas(), path_t, name=f"{schema.metadata[b'perpetua.table'].decode()}-cycle{cycle}",
+                                context=context_name, digest=table_hash(t))
+        model_id = log.log_checkpoint(
+            f"policy-v{candidate}", step=cycle, params={"policy_version": candidate, "cycle": cycle},
+            metrics={f"{s}.pass_at_1": v.pass_at_1 for s, v in cand.scores.items()},
+            tags={"perpetua.hf_dir": str(policies.hf_dir(candidate))})
         eval_run = log.run_id
     campaign = tracking.load_campaign(uri, mlflow.experiment)
     campaign = Campaign([r for r in campaign.records if r.cycle != cycle] + [record])
     tracking.log_cycle_metrics(uri, parent, record, campaign, cost)
+    plot = save_ipd_plot(campaign, path.with_name("intelligence_per_dollar.png"))
+    tracking.RunLog(uri, parent).log_artifact(plot, "plots")
     t_c, t_k = cand.scores["target"], champ.scores["target"]
     return dg.MaterializeResult(
         metadata={
@@ -130,6 +144,8 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
             "mlflow_eval_run_id": eval_run,
             "mlflow_run": dg.MetadataValue.url(tracking.run_url(uri, parent)),
             "report": dg.MetadataValue.path(str(path)),
+            "plot": dg.MetadataValue.path(str(plot)),
+            "mlflow_logged_model_id": model_id,
             **cost_metadata(meter),
         },
         data_version=dg.DataVersion(f"c{cycle}-v{candidate}-vs-v{champion}-{t_c.eval_set_hash}"),
