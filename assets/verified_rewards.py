@@ -47,7 +47,7 @@ def _cycle(context: dg.AssetExecutionContext, config: VerifiedRewardsConfig) -> 
 @dg.asset(
     key="verified_rewards",
     deps=[dg.AssetKey("rollouts")],
-    group_name="loop",
+    group_name="reward",
     kinds={"python", "parquet"},
     code_version=CODE_VERSION,
 )
