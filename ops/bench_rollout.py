@@ -51,13 +51,14 @@ def random_policy(out_dir: Path, seed: int = 1234) -> Path:
     return hf_convert.export_hf(cfg, sd, out_dir / "hf", tokenizer, extra={"perpetua_policy_version": 0})
 
 
-def perturbed_copy(src: Path, dst: Path, version: int, noise: float = 0.1) -> Path:
+def perturbed_copy(src: Path, dst: Path, version: int, noise: float = 0.1, seed: int | None = None) -> Path:
+    """A second policy: the same architecture, weights moved by noise, a bumped version."""
     import torch
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
     tensors = load_file(str(dst / "model.safetensors"))
-    g = torch.Generator().manual_seed(version)
+    g = torch.Generator().manual_seed(version if seed is None else seed)
     for name, t in tensors.items():
         if t.dim() == 2:
             tensors[name] = t + noise * t.std() * torch.randn(t.shape, generator=g)

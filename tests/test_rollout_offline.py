@@ -8,7 +8,6 @@ new weights) and recovery from a killed engine process.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -18,6 +17,7 @@ import pytest
 import torch
 
 from ops import task_world
+from ops.bench_rollout import perturbed_copy
 from ops import tokenizer as tok_lib
 from ops.rollout.engine import RefitError, StalePolicyError, TurnRequest
 from ops.rollout.groups import SamplingConfig, generate_groups, rollouts_table
@@ -26,20 +26,6 @@ from ops.tables import ROLLOUTS
 TASKS = [t for fam in ("add", "sub", "mul", "sub_words") for t in task_world.generate_tasks(fam, 2, seed=11)]
 
 
-def perturbed_copy(src: Path, dst: Path, version: int, noise: float = 0.5, seed: int = 0) -> Path:
-    """A second policy: the same architecture, weights moved by noise, a bumped version."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    tensors = load_file(str(dst / "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    for name, t in tensors.items():
-        if t.dim() == 2:
-            tensors[name] = t + noise * t.std() * torch.randn(t.shape, generator=g)
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps(cfg | {"perpetua_policy_version": version}))
-    return dst
 
 
 def hf_logprobs(model_dir: Path, rows: list[dict]) -> list[list[float]]:
@@ -147,7 +133,7 @@ def test_stale_version_is_refused(engine, tokenizer, tmp_path):
 
 
 def test_refit_changes_generations_and_version(engine, tokenizer, first_batch, base_policy_dir, tmp_path_factory):
-    new_dir = perturbed_copy(base_policy_dir, tmp_path_factory.mktemp("refit") / "v1", version=1)
+    new_dir = perturbed_copy(base_policy_dir, tmp_path_factory.mktemp("refit") / "v1", version=1, noise=0.5, seed=0)
     info = engine.load_weights(new_dir)
     assert info.policy_version == 1 and engine.policy_version == 1 and engine.served_version_label() == "1"
     assert info.bytes == (new_dir / "model.safetensors").stat().st_size and info.seconds < 30

@@ -5,8 +5,6 @@ checked against transformers, the stale-policy guard and one refit through the d
 
 from __future__ import annotations
 
-import json
-import shutil
 import socket
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import pytest
 import torch
 
 from ops import task_world
+from ops.bench_rollout import perturbed_copy
 from ops import tokenizer as tok_lib
 from ops.paths import Home
 from ops.rollout.engine import EngineStartError, StalePolicyError
@@ -30,19 +29,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def perturbed_copy(src: Path, dst: Path, version: int, noise: float = 0.5) -> Path:
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    tensors = load_file(str(dst / "model.safetensors"))
-    g = torch.Generator().manual_seed(1)
-    for name, t in tensors.items():
-        if t.dim() == 2:
-            tensors[name] = t + noise * t.std() * torch.randn(t.shape, generator=g)
-    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps(cfg | {"perpetua_policy_version": version}))
-    return dst
 
 
 def max_logprob_diff(model_dir: Path, rows: list[dict]) -> float:
@@ -120,7 +106,7 @@ def test_refit_through_dev_endpoints(engine, base_policy_dir, tmp_path_factory):
     tokenizer = tok_lib.load_hf_tokenizer(base_policy_dir)
     with pytest.raises(StalePolicyError):
         generate_groups(engine, tokenizer, TASKS[:1], SamplingConfig(group_size=1), require_version=1)
-    new_dir = perturbed_copy(base_policy_dir, tmp_path_factory.mktemp("srv-refit") / "v1", version=1)
+    new_dir = perturbed_copy(base_policy_dir, tmp_path_factory.mktemp("srv-refit") / "v1", version=1, noise=0.5, seed=1)
     before = generate_groups(engine, tokenizer, TASKS, SamplingConfig(group_size=2, seed=9)).rows
     info = engine.load_weights(new_dir)
     print(f"server refit: {info.seconds * 1000:.0f} ms, {info.bytes / 1e6:.1f} MB")
