@@ -19,6 +19,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
+from assets.cycle import CYCLE_TAG
 from assets.cycle_run import cycle_run_id
 from assets.metering import cost_metadata, metered
 
@@ -26,7 +27,6 @@ from ops.paths import home
 
 ASSET_VERSION = "1"  # bump when the learner's algorithm or this asset's logic changes
 CODE_VERSION = f"policy_checkpoint-{ASSET_VERSION}"
-CYCLE_TAG = "perpetua/cycle"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -8,9 +8,10 @@ bumping a verifier marks the stored rewards stale; `perpetua rescore` re-scores 
 
 # No `from __future__ import annotations`: Dagster reads the config annotation at decoration time.
 import dagster as dg
-
-from assets.metering import cost_metadata, metered
 from pydantic import Field
+
+from assets.cycle import CYCLE_TAG
+from assets.metering import cost_metadata, metered
 
 from ops.paths import home
 from ops.tables import table_hash
@@ -19,7 +20,6 @@ from ops.verify import NothingToScore, score_cycle, stored_cycles
 
 ASSET_VERSION = "1"  # bump when this asset's own logic changes
 CODE_VERSION = f"verified_rewards-{ASSET_VERSION}+" + ",".join(f"{n}={v}" for n, v in verifier_versions().items())
-CYCLE_TAG = "perpetua/cycle"
 MAX_GROUPS_IN_METADATA = 2000
 
 

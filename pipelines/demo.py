@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from assets.cycle import CYCLE_JOB, CYCLE_TAG
+from assets.cycle_run import PARENT_RUN_TAG
 from ops import policies, registry, tracking
 from ops.paths import Home, home
-
-CYCLE_TAG = "perpetua/cycle"
-PARENT_RUN_TAG = "perpetua/mlflow_run_id"
 
 
 @dataclass
@@ -45,7 +44,7 @@ def prepare_dagster_home(h: Home) -> None:
 def previous_cycles(instance) -> int:
     import dagster as dg
 
-    runs = instance.get_runs(dg.RunsFilter(job_name="perpetua_cycle"))
+    runs = instance.get_runs(dg.RunsFilter(job_name=CYCLE_JOB))
     return max((int(r.tags[CYCLE_TAG]) for r in runs if CYCLE_TAG in r.tags), default=0)
 
 
@@ -166,7 +165,7 @@ def run_demo(settings: DemoSettings, log: Callable[[str], None] = print) -> dict
             log(f"cycle {cycle}: {traffic['requests']} production requests (drift t {lo:.2f}-{hi:.2f}), "
                 f"failure rate {traffic['overall_failure_rate']:.2f}")
             parent = tracking.start_cycle_run(server.url, settings.experiment, cycle, tags={"perpetua.launcher": "demo"})
-            result = defs.get_job_def("perpetua_cycle").execute_in_process(
+            result = defs.get_job_def(CYCLE_JOB).execute_in_process(
                 instance=instance, tags={CYCLE_TAG: str(cycle), PARENT_RUN_TAG: parent},
                 run_config=settings.run_config.get("perpetua_cycle", {}), raise_on_error=False)
             tracking.end_run(server.url, parent, "FINISHED" if result.success or _gate_stopped(result) else "FAILED")

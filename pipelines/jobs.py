@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-CYCLE_JOB = "perpetua_cycle"
+from assets.cycle import CYCLE_JOB
 
 # name -> (asset keys, description)
 JOB_ASSETS: dict[str, tuple[list[str], str]] = {
