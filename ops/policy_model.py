@@ -128,10 +128,10 @@ def init_single_process(seed: int = 0) -> None:
 
     megatron_cpu.apply()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        # An explicit address, not MASTER_ADDR/MASTER_PORT: those would be inherited by child
+        # processes (a `perpetua parity` run from a test) and collide with this store's port.
         backend = "nccl" if megatron_cpu.cuda_available() else "gloo"
-        dist.init_process_group(backend, rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
     torch.manual_seed(seed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 
 COMMANDS = {
@@ -33,6 +34,9 @@ def print_json(obj) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Standard output carries results (JSON with --json); engine logs go to standard error.
+    # Set before anything imports vllm, which configures its logger at import.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     parser = argparse.ArgumentParser(prog="perpetua", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}
