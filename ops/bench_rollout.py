@@ -30,25 +30,13 @@ import time
 from pathlib import Path
 
 from ops import task_world
+from ops.bootstrap import random_policy
 from ops import tokenizer as tok_lib
 from ops.rollout.episodes import turn_seed
 from ops.rollout.groups import SamplingConfig, generate_groups, sample_seed
 from ops.vllm_engine import EngineConfig
 
 
-def random_policy(out_dir: Path, seed: int = 1234) -> Path:
-    """A tiny random policy (the embedded default's shape), exported like every policy is."""
-    from ops import checkpoint, hf_convert
-    from ops.policy_model import PRESETS, build_model, init_single_process
-
-    cfg = PRESETS["tiny"]
-    out_dir = Path(out_dir)
-    tok_lib.save_hf_tokenizer(tok_lib.train_tokenizer(cfg.vocab_size), out_dir / "tokenizer")
-    tokenizer = tok_lib.load_hf_tokenizer(out_dir / "tokenizer")
-    init_single_process()
-    model = build_model(cfg, seed=seed)
-    sd = checkpoint.global_state_dict(model, cfg.num_experts)
-    return hf_convert.export_hf(cfg, sd, out_dir / "hf", tokenizer, extra={"perpetua_policy_version": 0})
 
 
 def perturbed_copy(src: Path, dst: Path, version: int, noise: float = 0.1, seed: int | None = None) -> Path:

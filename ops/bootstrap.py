@@ -57,3 +57,18 @@ def bootstrap_base_policy(out_dir: Path, cfg: BootstrapConfig, log: Callable[[di
     hf_dir = hf_convert.export_hf(pcfg, sd, out_dir / "hf", tokenizer, extra={"perpetua_policy_version": 0})
     (out_dir / "bootstrap.json").write_text(json.dumps(result.to_dict(), indent=2))
     return BootstrapResult(hf_dir, ckpt, result, pcfg.num_parameters)
+
+
+def random_policy(out_dir: Path, seed: int = 1234, preset: str = "tiny", version: int | None = 0) -> Path:
+    """An untrained policy of `preset`, exported like every policy is (tokenizer/ and hf/ in
+    `out_dir`): for parity checks, benchmarks and tests. `version` goes into config.json as
+    `perpetua_policy_version` (None leaves it out)."""
+    pcfg = PRESETS[preset]
+    out_dir = Path(out_dir)
+    tok_lib.save_hf_tokenizer(tok_lib.train_tokenizer(pcfg.vocab_size), out_dir / "tokenizer")
+    tokenizer = tok_lib.load_hf_tokenizer(out_dir / "tokenizer")
+    init_single_process()
+    model = build_model(pcfg, seed=seed)
+    extra = None if version is None else {"perpetua_policy_version": version}
+    return hf_convert.export_hf(pcfg, checkpoint.global_state_dict(model, pcfg.num_experts), out_dir / "hf", tokenizer,
+                                extra=extra)

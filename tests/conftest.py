@@ -26,16 +26,9 @@ def perpetua_home(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture(scope="session")
 def random_policy_dir(tmp_path_factory) -> Path:
-    from ops import checkpoint, hf_convert, tokenizer as tok_lib
-    from ops.policy_model import PRESETS, build_model, init_single_process
+    from ops.bootstrap import random_policy
 
-    out = tmp_path_factory.mktemp("random-policy")
-    cfg = PRESETS["tiny"]
-    tok_lib.save_hf_tokenizer(tok_lib.train_tokenizer(cfg.vocab_size), out / "tokenizer")
-    tokenizer = tok_lib.load_hf_tokenizer(out / "tokenizer")
-    init_single_process()
-    model = build_model(cfg, seed=1234)
-    return hf_convert.export_hf(cfg, checkpoint.global_state_dict(model, cfg.num_experts), out / "hf", tokenizer)
+    return random_policy(tmp_path_factory.mktemp("random-policy"), seed=1234, version=None)
 
 
 @pytest.fixture(scope="session")

@@ -21,20 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from ops.bootstrap import random_policy
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-def make_base_policy(out: Path, seed: int = 1234) -> Path:
-    from ops import checkpoint, hf_convert, tokenizer as tok_lib
-    from ops.policy_model import PRESETS, build_model, init_single_process
-
-    cfg = PRESETS["tiny"]
-    tok_lib.save_hf_tokenizer(tok_lib.train_tokenizer(cfg.vocab_size), out / "tokenizer")
-    tokenizer = tok_lib.load_hf_tokenizer(out / "tokenizer")
-    init_single_process()
-    model = build_model(cfg, seed=seed)
-    return hf_convert.export_hf(cfg, checkpoint.global_state_dict(model, cfg.num_experts), out / "hf", tokenizer,
-                                extra={"perpetua_policy_version": 0})
 
 
 def write_job(root: Path, base_hf: Path, rollouts: Path, rewards: Path, expert_parallel: int) -> Path:
@@ -59,7 +50,7 @@ def test_expert_parallel_step_matches_single_process(tmp_path):
     from ops.learner.main import init_world, run_job
     from ops.tables import REWARDS, ROLLOUTS, write_table
 
-    base = make_base_policy(tmp_path / "base")
+    base = random_policy(tmp_path / "base", seed=1234)
     ro, rw = synthetic_tables(6, 4, all_equal_groups=1, seed=3)
     write_table(ro, ROLLOUTS, tmp_path / "rollouts.parquet")
     write_table(rw, REWARDS, tmp_path / "rewards.parquet")

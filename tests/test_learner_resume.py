@@ -14,20 +14,11 @@ from pathlib import Path
 
 import torch
 
+from ops.bootstrap import random_policy
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-def make_base_policy(out: Path, seed: int = 99) -> Path:
-    from ops import checkpoint, hf_convert, tokenizer as tok_lib
-    from ops.policy_model import PRESETS, build_model, init_single_process
-
-    cfg = PRESETS["tiny"]
-    tok_lib.save_hf_tokenizer(tok_lib.train_tokenizer(cfg.vocab_size), out / "tokenizer")
-    tokenizer = tok_lib.load_hf_tokenizer(out / "tokenizer")
-    init_single_process()
-    model = build_model(cfg, seed=seed)
-    return hf_convert.export_hf(cfg, checkpoint.global_state_dict(model, cfg.num_experts), out / "hf", tokenizer,
-                                extra={"perpetua_policy_version": 0})
 
 
 def job_for(home: Path, base: Path, data: Path, cycle: int):
@@ -67,7 +58,7 @@ def test_killed_step_resumes_from_last_complete_checkpoint(tmp_path):
     from ops.learner.main import CRASH_AFTER_UPDATE, CRASH_BEFORE_COMMIT, CRASH_EXIT_CODE, init_world, run_job
     from ops.tables import REWARDS, ROLLOUTS, write_table
 
-    base = make_base_policy(tmp_path / "base")
+    base = random_policy(tmp_path / "base", seed=99)
     data = tmp_path / "data"
     for cycle in (1, 2):
         ro, rw = synthetic_tables(4, 4, seed=10 + cycle, cycle=cycle)

@@ -25,15 +25,9 @@ def _default_model(tmp: Path) -> Path:
     for candidate in (*champion, home().models / "base" / "hf"):
         if (candidate / "config.json").exists():
             return candidate
-    from ops import checkpoint, hf_convert, tokenizer as tok_lib
-    from ops.policy_model import PRESETS, build_model, init_single_process
+    from ops.bootstrap import random_policy
 
-    cfg = PRESETS["tiny"]
-    tok_lib.save_hf_tokenizer(tok_lib.train_tokenizer(cfg.vocab_size), tmp / "tokenizer")
-    init_single_process()
-    model = build_model(cfg, seed=0)
-    return hf_convert.export_hf(cfg, checkpoint.global_state_dict(model, cfg.num_experts), tmp / "hf",
-                                tok_lib.load_hf_tokenizer(tmp / "tokenizer"))
+    return random_policy(tmp, seed=0, version=None)
 
 
 def run(args) -> int:
