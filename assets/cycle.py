@@ -8,6 +8,7 @@ from __future__ import annotations
 import dagster as dg
 
 CYCLE_TAG = "perpetua/cycle"
+TRIGGER_TAG = "perpetua/trigger"  # what launched a cycle run: the sensor's name, or "demo"
 CYCLE_JOB = "perpetua_cycle"
 
 

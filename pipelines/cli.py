@@ -37,6 +37,13 @@ def main(argv: list[str] | None = None) -> int:
     # Standard output carries results (JSON with --json); engine logs go to standard error.
     # Set before anything imports vllm, which configures its logger at import.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    # MLflow prints run links to standard output and draws progress bars for artifact downloads;
+    # the commands print their own results (and the links are in the Dagster metadata).
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    from ops.quiet import quiet_known_warnings
+
+    quiet_known_warnings()
     parser = argparse.ArgumentParser(prog="perpetua", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import dagster as dg
 
-import assets
-from pipelines import jobs, resources, schedules, sensors
+from ops.quiet import quiet_known_warnings
+
+quiet_known_warnings()  # before the asset modules import megatron-core
+
+import assets  # noqa: E402
+from pipelines import jobs, resources, schedules, sensors  # noqa: E402
 
 _assets = dg.load_assets_from_package_module(assets)
 _checks = dg.load_asset_checks_from_package_module(assets)

@@ -6,21 +6,24 @@ for each cycle lets production traffic run and drift (the simulator writes trace
 landing zone) and runs the `perpetua_cycle` job exactly as the retraining sensor would: same
 job, a `perpetua/cycle` tag, the cycle's MLflow parent run as a tag. Cycles are numbered after
 the ones already in the Dagster instance, and harvesting is incremental, so an interrupted demo
-can be run again without losing or duplicating anything. What it started, it stops.
+can be run again without losing or duplicating anything. What it started, it stops. Last, it
+switches the retraining sensor and the schedules on in the instance (pipelines/automation.py),
+so that the daemon of `dagster dev` carries the loop on from where the demo left it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from assets.cycle import CYCLE_JOB, CYCLE_TAG
+from assets.cycle import CYCLE_JOB, CYCLE_TAG, TRIGGER_TAG
 from assets.cycle_run import PARENT_RUN_TAG
-from ops import policies, registry, tracking
+from ops import policies, registry, task_world, tracking
 from ops.paths import Home, home
 
 
@@ -31,6 +34,16 @@ class DemoSettings:
     summary: Path | None = None
     experiment: str = "perpetua"
     run_config: dict = field(default_factory=dict)
+    automation: bool = True  # switch the sensor and schedules on in the instance when done
+
+
+# Dagster's console logger prints every engine event at DEBUG; the demo shows the stages' own
+# progress (INFO) and its per-cycle table.
+QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
+
+
+def job_run_config(settings: DemoSettings, job: str) -> dict:
+    return {**QUIET_LOGS, **settings.run_config.get(job, {})}
 
 
 def prepare_dagster_home(h: Home) -> None:
@@ -97,6 +110,8 @@ def cycle_row(cycle: int, result, traffic: dict, parent: str, wall: float) -> di
         "dagster_run_id": result.run_id,
         "mlflow_run_id": parent,
         "run_success": result.success,
+        "run_outcome": "success" if result.success else ("gate-blocked" if _gate_stopped(result) else "failed"),
+        "run_error": None if result.success else _failure_message(result),
         "gate_reasons": report.get("gate_reasons"),
         "traffic": traffic.get("requests"),
         "wall_seconds": round(wall, 1),
@@ -113,6 +128,24 @@ def print_row(row: dict) -> None:
     print(f"  deployed: {'yes' if row['deployed'] else 'no'}  cost ${f(row['cost_usd'], '.5f')}  "
           f"intelligence/$ {f(row['intelligence_per_dollar'], '.2f')}  policy v{row['policy_version']}  "
           f"({row['wall_seconds']} s, dagster run {row['dagster_run_id'][:8]})", flush=True)
+    if row["run_outcome"] == "gate-blocked" and row["gate_reasons"]:
+        for reason in row["gate_reasons"].splitlines():
+            print(f"  gate {reason.lstrip('- ')}", flush=True)
+    if row["run_outcome"] == "failed":
+        print(f"  the run failed: {row['run_error']} (Dagster run {row['dagster_run_id']})", flush=True)
+
+
+def print_failure_rates(rates: list[dict], families: list[str]) -> None:
+    """Production failure rate per family, one column per stretch of traffic (the last one after
+    the last cycle): a deploy that fixes a family shows as a falling row."""
+    cycles = sorted({r["cycle"] for r in rates})
+    table = {(r["family"], r["cycle"]): r["rate"] for r in rates}
+    labels = [f"c{c}" for c in cycles[:-1]] + ["after"]
+    print("production failure rate by family (the traffic before each cycle, and after the last one)")
+    print(f"  {'family':<10}" + "".join(f"{label:>7}" for label in labels))
+    for family in families:
+        cells = [table.get((family, c)) for c in cycles]
+        print(f"  {family:<10}" + "".join(f"{'-' if v is None else format(v, '.2f'):>7}" for v in cells))
 
 
 def production_traffic(production, champion: str, requests: int, t0: float, t1: float, seed: int) -> dict:
@@ -138,19 +171,21 @@ def run_demo(settings: DemoSettings, log: Callable[[str], None] = print) -> dict
     from pipelines.resources import for_environment
 
     began = time.monotonic()
+    for job in ("bootstrap", CYCLE_JOB):  # a config mistake stops the demo before anything starts
+        dg.validate_run_config(defs.resolve_job_def(job), job_run_config(settings, job))
     h = home().ensure()
     prepare_dagster_home(h)
     instance = dg.DagsterInstance.get()
     started_mlflow = mlflow_server.status(h) is None
-    server = mlflow_server.start(h)
+    server = mlflow_server.start(h, port=int(os.environ.get("PERPETUA_MLFLOW_PORT", mlflow_server.DEFAULT_PORT)))
     os.environ["MLFLOW_TRACKING_URI"] = server.url
     resources = for_environment()
     production = resources["production_server"]
     started_servers = [p for p in (production.port, resources["trainer_server"].port) if vllm_server.status(p) is None]
-    rows, failure_rates = [], []
+    rows, failure_rates, automation_state = [], [], {}
     try:
         log("bootstrap: base policy (cached when unchanged)")
-        boot = defs.get_job_def("bootstrap").execute_in_process(instance=instance, run_config=settings.run_config.get("bootstrap", {}))
+        boot = defs.resolve_job_def("bootstrap").execute_in_process(instance=instance, run_config=job_run_config(settings, "bootstrap"))
         if not boot.success:
             raise RuntimeError("the bootstrap run failed; see the Dagster UI")
         champion = ensure_champion(server.url, production, log)
@@ -165,26 +200,73 @@ def run_demo(settings: DemoSettings, log: Callable[[str], None] = print) -> dict
             log(f"cycle {cycle}: {traffic['requests']} production requests (drift t {lo:.2f}-{hi:.2f}), "
                 f"failure rate {traffic['overall_failure_rate']:.2f}")
             parent = tracking.start_cycle_run(server.url, settings.experiment, cycle, tags={"perpetua.launcher": "demo"})
-            result = defs.get_job_def(CYCLE_JOB).execute_in_process(
-                instance=instance, tags={CYCLE_TAG: str(cycle), PARENT_RUN_TAG: parent},
-                run_config=settings.run_config.get("perpetua_cycle", {}), raise_on_error=False)
-            tracking.end_run(server.url, parent, "FINISHED" if result.success or _gate_stopped(result) else "FAILED")
+            try:
+                result = defs.resolve_job_def(CYCLE_JOB).execute_in_process(
+                    instance=instance, tags={CYCLE_TAG: str(cycle), PARENT_RUN_TAG: parent, TRIGGER_TAG: "demo"},
+                    run_config=job_run_config(settings, CYCLE_JOB), raise_on_error=False)
+            except BaseException:  # interrupted (Ctrl-C): the MLflow record says so, not RUNNING forever
+                tracking.end_run(server.url, parent, "KILLED")
+                raise
+            if _interrupted(result):  # Dagster caught the Ctrl-C and failed the run; stop here too
+                tracking.end_run(server.url, parent, "KILLED")
+                raise KeyboardInterrupt
             row = cycle_row(cycle, result, traffic, parent, time.monotonic() - t0)
+            tracking.end_run(server.url, parent, "FAILED" if row["run_outcome"] == "failed" else "FINISHED")
             rows.append(row)
             print_row(row)
         champion = registry.champion_version(server.url, policies.REGISTERED_MODEL)
         final = production_traffic(production, champion, settings.traffic_per_cycle, 1.0, 1.0, seed=10_000 + total)
         log(f"after cycle {total}: production failure rate {final['overall_failure_rate']:.2f}")
         failure_rates += [{"cycle": total + 1, "family": fam, "rate": rate} for fam, rate in final["failure_rate"].items()]
+        print_failure_rates(failure_rates, task_world.DRIFT_FAMILIES + task_world.BOOTSTRAP_FAMILIES)
+        if settings.automation:
+            automation_state = hand_over_to_daemon(h, log)
     finally:
         for port in started_servers:
             vllm_server.stop(port)
         if started_mlflow:
             mlflow_server.stop(h)
-    summary = {"cycles": rows, "production_failure_rate": failure_rates, "wall_seconds": time.monotonic() - began}
+    summary = {"cycles": rows, "production_failure_rate": failure_rates, "automation": automation_state,
+               "wall_seconds": time.monotonic() - began}
     if settings.summary:
         Path(settings.summary).write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def hand_over_to_daemon(h: Home, log: Callable[[str], None]) -> dict[str, str]:
+    """Switch the retraining sensor and the schedules on, so that `dagster dev` carries the loop on
+    from here. A failure is reported, not raised: the cycles themselves are done and recorded."""
+    from pipelines import automation
+
+    log("switching the retraining sensor and the schedules on in the Dagster instance")
+    try:
+        states = automation.switch_on(h.dagster)
+    except (automation.AutomationError, OSError, subprocess.TimeoutExpired) as e:
+        log(f"warning: could not switch automation on ({e}); switch it on under Automation in the UI")
+        return {}
+    log("automation: " + ", ".join(f"{name} {state.lower()}" for name, state in states.items())
+        + f"; `DAGSTER_HOME={h.dagster} dagster dev -w workspace.yaml` keeps the loop going")
+    return states
+
+
+def _failure_message(result) -> str | None:
+    """The first step failure of a run, in one line."""
+    for event in result.all_events:
+        if event.is_step_failure:
+            error = event.step_failure_data.error
+            return f"{event.step_key}: {error.message.strip().splitlines()[0] if error else 'failed'}"
+    return None
+
+
+def _interrupted(result) -> bool:
+    """Ctrl-C reached the run. With raise_on_error=False Dagster records the interruption as a
+    failure (of the step it hit, or of the run between steps) and returns instead of raising."""
+    for event in result.all_events:
+        if event.is_step_failure and getattr(event.step_failure_data.error_source, "name", "") == "INTERRUPT":
+            return True
+        if event.is_job_failure and getattr(event.job_failure_data.failure_reason, "name", "") == "UNEXPECTED_TERMINATION":
+            return True
+    return False
 
 
 def _gate_stopped(result) -> bool:

@@ -2,8 +2,14 @@
 
 Several processes (Dagster runs, the learner, the simulator) write to MLflow at once; writing
 one SQLite file directly from all of them hits "database is locked" and migration races. One
-`mlflow server` over the store serialises the writes, serves artifacts (proxied, so clients
-need no filesystem access) and is the UI. Clients use its URL as tracking URI.
+`mlflow server` over the store serialises the writes and is the UI. Clients use its URL as
+tracking URI.
+
+Experiments it creates keep their artifacts at a file URI under PERPETUA_HOME/mlflow/artifacts
+(`--default-artifact-root`), not at a server-relative `mlflow-artifacts:/` one: the store stays
+readable and writable with the server stopped (a run the Dagster daemon launches after
+`perpetua demo` has shut its server down writes the SQLite store directly), and everything
+stays under PERPETUA_HOME. `--artifacts-destination` still serves proxied artifact requests.
 
 `start` is idempotent: a server already running for this PERPETUA_HOME (pid file + /health)
 is reused. The server runs in its own session (process group), so it outlives the command that
@@ -117,6 +123,7 @@ def start(
     cmd = [
         sys.executable, "-m", "mlflow", "server",
         "--backend-store-uri", backend,
+        "--default-artifact-root", artifacts.as_uri(),
         "--artifacts-destination", str(artifacts),
         "--host", host, "--port", str(port), "--workers", str(workers),
     ]  # fmt: skip

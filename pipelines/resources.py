@@ -59,15 +59,20 @@ class PolicyServer(dg.ConfigurableResource):
 
 
 class MlflowTracking(dg.ConfigurableResource):
-    """Where the MLflow record goes: MLFLOW_TRACKING_URI, else the SQLite store in PERPETUA_HOME."""
+    """Where the MLflow record goes: MLFLOW_TRACKING_URI; else the local MLflow server of this
+    PERPETUA_HOME when one runs (it serialises writes); else its SQLite store directly."""
 
     tracking_uri: str = ""
     experiment: str = "perpetua"
 
     def uri(self) -> str:
         from ops import tracking
+        from pipelines import mlflow_server
 
-        return self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or tracking.local_store(home().mlflow)[0]
+        if self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"):
+            return self.tracking_uri or os.environ["MLFLOW_TRACKING_URI"]
+        server = mlflow_server.status(home())
+        return server.url if server else tracking.local_store(home().mlflow)[0]
 
 
 def for_environment(env: str | None = None) -> dict:

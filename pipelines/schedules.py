@@ -2,7 +2,8 @@
 
 Both reference jobs by name (the lead defines `harvest`, selecting production_traces and
 harvested_failures, and `nightly_eval`). Stopped by default: switch them on in the UI or
-with `dagster schedule start`; the demo drives cycles itself.
+with `dagster schedule start`; `perpetua demo` switches them on when its cycles are done
+(pipelines/automation.py), so the daemon carries the loop on.
 """
 
 from __future__ import annotations

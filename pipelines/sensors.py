@@ -22,7 +22,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets.cycle import CYCLE_TAG
+from assets.cycle import CYCLE_TAG, TRIGGER_TAG
 from ops.harvest import estimate_new_failures
 from ops.paths import home
 
@@ -65,7 +65,7 @@ def make_retraining_sensor(
         listing = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:12]
         run_key = f"retrain-{requests}-{listing}"
         cursor = json.dumps({"files": files, "pending": 0, "requests": requests, "last_run_key": run_key}, sort_keys=True)
-        tags = {"perpetua/trigger": name, "perpetua/new_failures": str(pending)}
+        tags = {TRIGGER_TAG: name, "perpetua/new_failures": str(pending)}
         cycle = _next_cycle(context, job_name)
         if cycle is not None:
             tags[CYCLE_TAG] = str(cycle)

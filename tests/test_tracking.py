@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -179,7 +180,7 @@ def test_mlflow_server_starts_serves_reuses_and_stops(tmp_path):
         assert mlflow_server.pid_file(h).exists()
         again = mlflow_server.start(h, port=port)
         assert again.reused and again.pid == server.pid
-        # A cycle run through the server, with an artifact proxied into the store's artifacts dir.
+        # A cycle run through the server, with an artifact in the store's artifacts dir.
         run_id = start_cycle_run(server.url, "served", cycle=7)
         RunLog(server.url, run_id).log_dict({"ok": True}, "probe.json")
         assert client(server.url).get_run(run_id).data.tags["perpetua.cycle"] == "7"
@@ -190,3 +191,11 @@ def test_mlflow_server_starts_serves_reuses_and_stops(tmp_path):
     assert not mlflow_server.health(server.url)
     assert mlflow_server.status(h) is None and not mlflow_server.pid_file(h).exists()
     assert not mlflow_server.stop(h)
+    # With the server stopped, the store is still whole: a run the Dagster daemon launches later
+    # writes the SQLite store directly, into the experiment the server created.
+    direct = local_store(h.mlflow)[0]
+    experiment = client(direct).get_experiment(client(direct).get_run(run_id).info.experiment_id)
+    assert experiment.artifact_location.startswith((h.mlflow / "artifacts").resolve().as_uri())
+    RunLog(direct, run_id).log_dict({"ok": "direct"}, "after.json")
+    assert client(direct).download_artifacts(run_id, "after.json", str(tmp_path))
+    assert json.loads((tmp_path / "after.json").read_text()) == {"ok": "direct"}

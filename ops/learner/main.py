@@ -308,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, type=Path, help="LearnerJob JSON file")
     args = parser.parse_args(argv)
 
+    from ops.quiet import quiet_known_warnings
+
+    quiet_known_warnings()  # before megatron-core is imported
     from pydantic import ValidationError
 
     from ops.learner.batch import BatchError
@@ -327,11 +330,12 @@ def main(argv: list[str] | None = None) -> int:
 
         pipes_cm = open_dagster_pipes()
     with pipes_cm as pipes:
-        def log(msg: str) -> None:
+        def log(msg: str) -> None:  # under Dagster Pipes its log, else standard output
             if rank == 0:
-                print(msg, flush=True)
                 if pipes is not None:
                     pipes.log.info(msg)
+                else:
+                    print(msg, flush=True)
 
         try:
             init_world(job.learner.expert_parallel, job.learner.seed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from pipelines.cli import UserError
@@ -11,10 +12,20 @@ def add_arguments(p) -> None:
     p.add_argument("--cycles", type=int, default=3, help="cycles to run (default 3)")
     p.add_argument("--traffic", type=int, default=160, help="production requests per cycle (default 160)")
     p.add_argument("--summary", type=Path, help="summary JSON path (default PERPETUA_HOME/demo-summary.json)")
+    p.add_argument("--run-config", type=Path, metavar="FILE",
+                   help="YAML or JSON run config per job, as in the Dagster launchpad: "
+                        "{bootstrap: {ops: {base_policy: {config: {...}}}}, perpetua_cycle: {ops: {rollouts: {config: {...}}}}}")
+    p.add_argument("--automation", action=argparse.BooleanOptionalAction, default=True,
+                   help="when done, switch the retraining sensor and the schedules on in the Dagster instance "
+                        "(default on; the daemon of `dagster dev` then carries the loop on)")
 
 
 def run(args) -> int:
     from pipelines.demo import DemoSettings, run_demo
+    from pipelines.mlflow_server import MlflowServerError
+    from dagster import DagsterInvalidConfigError
+
+    from pipelines.vllm_server import VllmServerError
 
     if args.cycles < 1:
         raise UserError("--cycles must be at least 1")
@@ -22,9 +33,40 @@ def run(args) -> int:
         raise UserError("--traffic must be at least 1")
     from ops.paths import home
 
+    run_config = read_run_config(args.run_config) if args.run_config else {}
     args.summary = args.summary or home().root / "demo-summary.json"
-    summary = run_demo(DemoSettings(cycles=args.cycles, traffic_per_cycle=args.traffic, summary=args.summary))
+    try:
+        args.summary.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot write the summary to {args.summary}: {e}") from None
+    try:
+        summary = run_demo(DemoSettings(cycles=args.cycles, traffic_per_cycle=args.traffic, summary=args.summary,
+                                          automation=args.automation, run_config=run_config))
+    except (MlflowServerError, VllmServerError) as e:  # a port taken, a server that cannot start
+        raise UserError(str(e)) from None
+    except DagsterInvalidConfigError as e:
+        raise UserError(f"--run-config {args.run_config}: {e}") from None
     deployed = [c for c in summary["cycles"] if c["deployed"]]
     print(f"done in {summary['wall_seconds']:.0f} s: {len(deployed)} of {len(summary['cycles'])} cycles deployed; "
           f"summary in {args.summary}")
-    return 0 if all(c["run_success"] or not c["deployed"] for c in summary["cycles"]) else 1
+    failed = [c["cycle"] for c in summary["cycles"] if c["run_outcome"] == "failed"]
+    if failed:
+        print(f"cycles {failed} failed; their Dagster runs say why (dagster dev -w workspace.yaml)")
+    return 1 if failed else 0
+
+
+def read_run_config(path: Path) -> dict:
+    """Per-job run config from a YAML (or JSON) file; only the demo's two jobs may appear."""
+    import yaml
+
+    from assets.cycle import CYCLE_JOB
+
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"--run-config {path}: {e}") from None
+    jobs = {"bootstrap", CYCLE_JOB}
+    if not isinstance(config, dict) or not set(config) <= jobs or not all(isinstance(v, dict) for v in config.values()):
+        raise UserError(f"--run-config {path}: expected a mapping from job name ({', '.join(sorted(jobs))}) "
+                        "to that job's run config")
+    return config

@@ -1,0 +1,104 @@
+"""`perpetua demo`, the main job, as a user runs it: the real command in its own process, on the
+real engines (MLflow server, two vLLM CPU servers, megatron-core learner under torchrun, the
+sandbox), with smaller sets than the default (`--run-config`) so it fits in the suite.
+
+Run twice over one PERPETUA_HOME: the second run continues the cycle numbering and harvests only
+what landed after the first one (nothing read twice, nothing lost), and neither leaves a
+server behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SMALL = """
+bootstrap:
+  ops: {base_policy: {config: {max_steps: 300, target_success: 0.6}}}
+perpetua_cycle:
+  ops:
+    rollouts: {config: {max_tasks: 16, group_size: 4}}
+    eval_report: {config: {target_per_family: 8, guard_per_family: 8, production_tasks: 8}}
+"""
+
+# DESIGN.md, `demo --summary FILE` (fixed keys).
+CYCLE_KEYS = {"cycle", "failures_harvested", "rollouts", "mean_reward", "champion_score", "candidate_score", "gain_ci",
+              "deployed", "cost_usd", "intelligence_per_dollar", "policy_version", "dagster_run_id", "mlflow_run_id"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _demo(env: dict, summary: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "pipelines.cli", "demo", "--cycles", "1", "--traffic", "24", "--summary", str(summary), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _landed(home: Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in (home / "landing").glob("*.jsonl"))
+
+
+@pytest.mark.timeout(1500)
+def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_path):
+    home = tmp_path / "home"
+    (tmp_path / "small.yaml").write_text(SMALL)
+    ports = {"PERPETUA_TRAINER_PORT": _free_port(), "PERPETUA_PRODUCTION_PORT": _free_port(), "PERPETUA_MLFLOW_PORT": _free_port()}
+    env = {**os.environ, "PERPETUA_HOME": str(home), "VLLM_CPU_KVCACHE_SPACE": "1", **{k: str(v) for k, v in ports.items()}}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.pop("DAGSTER_HOME", None)
+
+    first = _demo(env, tmp_path / "first.json", "--run-config", str(tmp_path / "small.yaml"))
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-6000:]
+    assert "cycle 1: harvested" in first.stdout and "production failure rate by family" in first.stdout
+    summary = json.loads((tmp_path / "first.json").read_text())
+    (row,) = summary["cycles"]
+    assert CYCLE_KEYS <= set(row) and row["cycle"] == 1 and row["policy_version"] == 1
+    assert row["rollouts"] == 16 * 4 and row["cost_usd"] > 0 and len(row["gain_ci"]) == 2
+    assert row["run_outcome"] in ("success", "gate-blocked") and row["deployed"] == (row["run_outcome"] == "success")
+    assert {r["cycle"] for r in summary["production_failure_rate"]} == {1, 2}  # before cycle 1, and after it
+    assert summary["automation"] == {"retraining_sensor": "RUNNING", "harvest_schedule": "RUNNING",
+                                     "nightly_eval_schedule": "RUNNING"}
+    landed_before_second = _landed(home)
+
+    second = _demo(env, tmp_path / "second.json", "--no-automation", "--run-config", str(tmp_path / "small.yaml"))
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-6000:]
+    (row2,) = json.loads((tmp_path / "second.json").read_text())["cycles"]
+    assert row2["cycle"] == 2 and row2["policy_version"] == 2
+    assert "bootstrap" in second.stdout  # the base policy is reused, not retrained
+    assert "reusing it" in second.stderr + second.stdout
+
+    # What Dagster and MLflow recorded, read back after every server has stopped.
+    import dagster as dg
+
+    from ops import tracking
+    from ops.paths import Home
+    from pipelines import mlflow_server, vllm_server
+
+    h = Home(home)
+    assert mlflow_server.status(h) is None
+    assert all(vllm_server.status(ports[k], h) is None for k in ("PERPETUA_TRAINER_PORT", "PERPETUA_PRODUCTION_PORT"))
+    with dg.DagsterInstance.from_config(str(home / "dagster")) as instance:
+        runs = {r.run_id: r for r in instance.get_runs(dg.RunsFilter(job_name="perpetua_cycle"))}
+        assert set(runs) == {row["dagster_run_id"], row2["dagster_run_id"]}
+        assert [runs[r["dagster_run_id"]].tags["perpetua/cycle"] for r in (row, row2)] == ["1", "2"]
+        assert all(run.tags["perpetua/trigger"] == "demo" for run in runs.values())
+        reads = {}
+        for record in instance.fetch_materializations(dg.AssetKey("harvested_failures"), limit=10).records:
+            reads[record.run_id] = record.asset_materialization.metadata["read"].value
+    # Every landed record is read by exactly one harvest: the first run's cycle read what landed
+    # before it, the second run's cycle what landed after it (the first run's closing traffic
+    # included), and the second run's closing traffic waits for the next harvest.
+    closing_traffic = _landed(home) - landed_before_second - row2["traffic"]
+    assert reads[row["dagster_run_id"]] == row["traffic"]
+    assert reads[row["dagster_run_id"]] + reads[row2["dagster_run_id"]] == _landed(home) - closing_traffic
+    uri = tracking.local_store(h.mlflow)[0]
+    assert [tracking.client(uri).get_run(r["mlflow_run_id"]).info.status for r in (row, row2)] == ["FINISHED", "FINISHED"]
