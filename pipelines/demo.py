@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from assets.cycle import CYCLE_JOB, CYCLE_TAG, TRIGGER_TAG
-from assets.cycle_run import PARENT_RUN_TAG
+from assets.cycle_run import MLFLOW_STATUS, PARENT_RUN_TAG, cycle_outcome
 from ops import policies, registry, task_world, tracking
 from ops.paths import Home, home
 
@@ -110,7 +110,7 @@ def cycle_row(cycle: int, result, traffic: dict, parent: str, wall: float) -> di
         "dagster_run_id": result.run_id,
         "mlflow_run_id": parent,
         "run_success": result.success,
-        "run_outcome": "success" if result.success else ("gate-blocked" if _gate_stopped(result) else "failed"),
+        "run_outcome": cycle_outcome(result.success, result.all_events),
         "run_error": None if result.success else _failure_message(result),
         "gate_reasons": report.get("gate_reasons"),
         "traffic": traffic.get("requests"),
@@ -211,7 +211,7 @@ def run_demo(settings: DemoSettings, log: Callable[[str], None] = print) -> dict
                 tracking.end_run(server.url, parent, "KILLED")
                 raise KeyboardInterrupt
             row = cycle_row(cycle, result, traffic, parent, time.monotonic() - t0)
-            tracking.end_run(server.url, parent, "FAILED" if row["run_outcome"] == "failed" else "FINISHED")
+            tracking.end_run(server.url, parent, MLFLOW_STATUS[row["run_outcome"]])
             rows.append(row)
             print_row(row)
         champion = registry.champion_version(server.url, policies.REGISTERED_MODEL)
@@ -267,8 +267,3 @@ def _interrupted(result) -> bool:
         if event.is_job_failure and getattr(event.job_failure_data.failure_reason, "name", "") == "UNEXPECTED_TERMINATION":
             return True
     return False
-
-
-def _gate_stopped(result) -> bool:
-    """The deploy gate blocked the run: a designed outcome, not a failure of the cycle."""
-    return any(not e.passed for e in result.get_asset_check_evaluations())

@@ -22,9 +22,12 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets.cycle import CYCLE_TAG, TRIGGER_TAG
+from assets.cycle import CYCLE_JOB, CYCLE_TAG, TRIGGER_TAG
+from assets.cycle_run import MLFLOW_STATUS, PARENT_RUN_TAG, cycle_outcome, find_cycle_run
+from ops import tracking
 from ops.harvest import estimate_new_failures
 from ops.paths import home
+from pipelines.resources import MlflowTracking
 
 DEFAULT_THRESHOLD = 32
 
@@ -36,7 +39,7 @@ def _cursor(raw: str | None) -> dict:
 
 def make_retraining_sensor(
     name: str = "retraining_sensor",
-    job_name: str = "perpetua_cycle",
+    job_name: str = CYCLE_JOB,
     threshold: int | None = None,
     landing: Callable[[], Path] = lambda: home().landing,
     minimum_interval_seconds: int = 60,
@@ -87,7 +90,53 @@ retraining_sensor = make_retraining_sensor()
 SENSORS = [retraining_sensor]
 
 
+# ---- closing a cycle's MLflow run ---------------------------------------------------------------
+# A cycle's MLflow parent run is opened by whoever launched the cycle or by its first stage. The
+# demo closes the runs it launches; for runs the daemon launches (the retraining sensor, the UI),
+# these two run-status sensors do, so no cycle stays RUNNING in MLflow. They only keep records,
+# so they run by default.
+
+
+def _close_cycle_mlflow_run(context: dg.RunStatusSensorContext, mlflow: MlflowTracking, succeeded: bool):
+    run = context.dagster_run
+    if run.job_name != CYCLE_JOB:
+        return dg.SkipReason(f"{run.job_name} is not a cycle run")
+    events = [record.dagster_event for record in context.instance.all_logs(run.run_id)]
+    outcome = cycle_outcome(succeeded, events)
+    uri = mlflow.uri()
+    parent = run.tags.get(PARENT_RUN_TAG) or find_cycle_run(uri, mlflow.experiment, run.run_id)
+    if parent is None:
+        return dg.SkipReason(f"run {run.run_id} opened no MLflow run")
+    tracking.end_run(uri, parent, MLFLOW_STATUS[outcome])
+    context.log.info(f"cycle run {run.run_id}: {outcome}; MLflow run {parent} ended {MLFLOW_STATUS[outcome]}")
+    return None
+
+
+@dg.run_status_sensor(
+    name="cycle_mlflow_run_on_success",
+    run_status=dg.DagsterRunStatus.SUCCESS,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Ends the MLflow run of a cycle that finished (deployed) as FINISHED.",
+)
+def cycle_mlflow_run_on_success(context: dg.RunStatusSensorContext, mlflow: MlflowTracking):
+    return _close_cycle_mlflow_run(context, mlflow, succeeded=True)
+
+
+@dg.run_failure_sensor(
+    name="cycle_mlflow_run_on_failure",
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Ends the MLflow run of a cycle that did not finish: FINISHED when the deploy gate "
+                "blocked the candidate, FAILED when something broke.",
+)
+def cycle_mlflow_run_on_failure(context: dg.RunFailureSensorContext, mlflow: MlflowTracking):
+    return _close_cycle_mlflow_run(context, mlflow, succeeded=False)
+
+
+RUN_STATUS_SENSORS = [cycle_mlflow_run_on_success, cycle_mlflow_run_on_failure]
+
+
 def sensors_for(job_names: Iterable[str]) -> list[dg.SensorDefinition]:
-    """The sensors whose job exists (Definitions refuses a sensor that targets a missing job)."""
+    """The sensors whose job exists (Definitions refuses a sensor that targets a missing job),
+    and the cycle's run-status sensors when the cycle job exists."""
     names = set(job_names)
-    return [s for s in SENSORS if s.job_name in names]
+    return [s for s in SENSORS if s.job_name in names] + (RUN_STATUS_SENSORS if CYCLE_JOB in names else [])

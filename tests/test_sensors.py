@@ -106,3 +106,59 @@ def test_schedules_and_sensors_resolve_in_definitions():
     assert schedules_for(["harvest"]) == [harvest_schedule] and sensors_for(["harvest"]) == []
     with dg.build_schedule_context(scheduled_execution_time=__import__("datetime").datetime(2025, 1, 1, 2, 0)) as ctx:
         assert nightly_eval_schedule.evaluate_tick(ctx).run_requests
+
+
+# ---- the run-status sensors that close a cycle's MLflow run --------------------------------------
+
+
+def _cycle_like_job(kind: str) -> dg.JobDefinition:
+    """A job named like the cycle job whose run deploys, is stopped by a blocking check, or breaks."""
+
+    @dg.asset(name=f"report_{kind}")
+    def report() -> None:
+        if kind == "broken":
+            raise RuntimeError("the learner crashed")
+
+    @dg.asset_check(asset=report, blocking=True)
+    def gate() -> dg.AssetCheckResult:
+        return dg.AssetCheckResult(passed=kind != "blocked", severity=dg.AssetCheckSeverity.ERROR)
+
+    @dg.asset(deps=[report], name=f"deployment_{kind}")
+    def deployment() -> None: ...
+
+    defs = dg.Definitions(assets=[report, deployment], asset_checks=[gate],
+                          jobs=[dg.define_asset_job("perpetua_cycle", selection="*")])
+    return defs.resolve_job_def("perpetua_cycle")
+
+
+def test_closing_sensors_end_the_cycle_mlflow_run_by_outcome(tmp_path):
+    from assets.cycle_run import PARENT_RUN_TAG
+    from ops import tracking
+    from pipelines.resources import MlflowTracking
+    from pipelines.sensors import RUN_STATUS_SENSORS, cycle_mlflow_run_on_failure, cycle_mlflow_run_on_success
+
+    assert set(sensors_for(["perpetua_cycle"])) >= set(RUN_STATUS_SENSORS) and not set(sensors_for(["harvest"])) & set(RUN_STATUS_SENSORS)
+    uri = tracking.local_store(tmp_path / "mlflow")[0]
+    mlflow = MlflowTracking(tracking_uri=uri)
+    ended = {}
+    with dg.instance_for_test() as instance:
+        for kind in ("deployed", "blocked", "broken"):
+            parent = tracking.start_cycle_run(uri, "perpetua", cycle=1)
+            result = _cycle_like_job(kind).execute_in_process(instance=instance, tags={PARENT_RUN_TAG: parent},
+                                                              raise_on_error=False)
+            assert result.success == (kind == "deployed")
+            sensor = cycle_mlflow_run_on_success if result.success else cycle_mlflow_run_on_failure
+            event = result.get_run_success_event() if result.success else result.get_run_failure_event()
+            context = dg.build_run_status_sensor_context(sensor_name=sensor.name, dagster_event=event, dagster_instance=instance,
+                                                         dagster_run=result.dagster_run, resources={"mlflow": mlflow})
+            sensor(context if result.success else context.for_run_failure())
+            ended[kind] = tracking.client(uri).get_run(parent).info.status
+
+        # Another job's run is none of these sensors' business.
+        other = dg.Definitions(assets=[dg.asset(name="x")(lambda: None)], jobs=[dg.define_asset_job("harvest")])
+        result = other.resolve_job_def("harvest").execute_in_process(instance=instance)
+        context = dg.build_run_status_sensor_context(sensor_name=cycle_mlflow_run_on_success.name, dagster_event=result.get_run_success_event(),
+                                                     dagster_instance=instance, dagster_run=result.dagster_run, resources={"mlflow": mlflow})
+        skipped = cycle_mlflow_run_on_success(context)
+    assert ended == {"deployed": "FINISHED", "blocked": "FINISHED", "broken": "FAILED"}
+    assert isinstance(skipped, dg.SkipReason) and "not a cycle run" in skipped.skip_message
