@@ -1,9 +1,17 @@
-"""Which cycle of the loop a run belongs to: the `perpetua/cycle` run tag, set by the sensor,
-the schedules and `perpetua demo`. A run launched by hand without it gets the next number
-after the cycle runs created before it, so every asset of one run agrees.
+"""Which cycle of the loop a run belongs to, decided in one place for every asset.
+
+In order: an explicit number (a stage's `cycle` config, to redo one cycle by hand); the
+`perpetua/cycle` run tag (set by the sensor, the schedules and `perpetua demo`); for a stage
+that consumes an upstream stage's table (rewards score rollouts, the learner learns from rewards),
+the cycle of the newest upstream materialization, else the newest table on disk; else the next
+number after the cycle runs created before this one. Within one run every asset agrees: the tag
+is the same for all, and in an untagged cycle run each consuming stage follows the stage that
+ran just before it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import dagster as dg
 
@@ -12,10 +20,25 @@ TRIGGER_TAG = "perpetua/trigger"  # what launched a cycle run: the sensor's name
 CYCLE_JOB = "perpetua_cycle"
 
 
-def cycle_of(context) -> int:
+def cycle_of(context, explicit: int | None = None, upstream: str | None = None,
+             stored: Callable[[], list[int]] | None = None) -> int:
+    """The cycle of this run (see the module docstring). `stored` lists the cycles whose
+    upstream tables exist; when it is given and lists none, the stage has nothing to consume."""
+    if explicit is not None:
+        return explicit
     tag = context.run.tags.get(CYCLE_TAG)
     if tag is not None:
         return int(tag)
+    if upstream is not None:
+        event = context.instance.get_latest_materialization_event(dg.AssetKey(upstream))
+        cycle = event.asset_materialization.metadata.get("cycle") if event and event.asset_materialization else None
+        if cycle is not None:
+            return int(cycle.value)
+    if stored is not None:
+        cycles = stored()
+        if not cycles:
+            raise dg.Failure(f"no {upstream or 'upstream'} table to consume yet: materialize {upstream or 'it'} first")
+        return max(cycles)
     run = context.instance.get_run_record_by_id(context.run_id)
     before = context.instance.get_runs_count(
         dg.RunsFilter(job_name=CYCLE_JOB, created_before=run.create_timestamp)

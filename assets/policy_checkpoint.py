@@ -19,7 +19,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from assets.cycle import CYCLE_TAG
+from assets.cycle import cycle_of
 from assets.cycle_run import cycle_run_id
 from assets.metering import cost_metadata, metered
 
@@ -46,24 +46,6 @@ class PolicyCheckpointConfig(dg.Config):
     mlflow_experiment: str = Field(default="perpetua", description="Experiment of the learner run when it has no parent.")
     mlflow_parent_run_id: str | None = Field(default=None, description="The cycle's MLflow run; the learner run is "
                                              "nested under it (default: the run tag perpetua/mlflow_run_id).")
-
-
-def _cycle(context: dg.AssetExecutionContext, config: PolicyCheckpointConfig) -> int:
-    from ops.verify import stored_cycles
-
-    if config.cycle is not None:
-        return config.cycle
-    if (tag := context.run.tags.get(CYCLE_TAG)) is not None:
-        return int(tag)
-    event = context.instance.get_latest_materialization_event(dg.AssetKey("verified_rewards"))
-    if event is not None and event.asset_materialization is not None:
-        cycle = event.asset_materialization.metadata.get("cycle")
-        if cycle is not None:
-            return int(cycle.value)
-    cycles = sorted(set(stored_cycles(home().data, "verified_rewards")) & set(stored_cycles(home().data, "rollouts")))
-    if not cycles:
-        raise dg.Failure(f"no verified batch to learn from: nothing under {home().data / 'verified_rewards'}")
-    return cycles[-1]
 
 
 def _learner_config(config: PolicyCheckpointConfig, base_hf: Path):
@@ -123,10 +105,11 @@ def policy_checkpoint(
     from ops import tracking
     from ops.checkpoint import latest_complete
     from ops.learner.config import LearnerJob
-    from ops.verify import rewards_path, rollouts_path
+    from ops.verify import rewards_path, rollouts_path, stored_cycles
 
     h = home().ensure()
-    cycle = _cycle(context, config)
+    cycle = cycle_of(context, explicit=config.cycle, upstream="verified_rewards", stored=lambda: sorted(
+        set(stored_cycles(h.data, "verified_rewards")) & set(stored_cycles(h.data, "rollouts"))))
     rollouts, rewards = rollouts_path(h.data, cycle), rewards_path(h.data, cycle)
     for path, what in ((rollouts, "rollouts"), (rewards, "verified rewards")):
         if not path.exists():

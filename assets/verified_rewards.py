@@ -10,7 +10,7 @@ bumping a verifier marks the stored rewards stale; `perpetua rescore` re-scores 
 import dagster as dg
 from pydantic import Field
 
-from assets.cycle import CYCLE_TAG
+from assets.cycle import cycle_of
 from assets.metering import cost_metadata, metered
 
 from ops.paths import home
@@ -28,22 +28,6 @@ class VerifiedRewardsConfig(dg.Config):
     workers: int = Field(default=0, description="Parallel verification workers; 0 sizes the pool to the machine.")
 
 
-def _cycle(context: dg.AssetExecutionContext, config: VerifiedRewardsConfig) -> int:
-    if config.cycle is not None:
-        return config.cycle
-    if (tag := context.run.tags.get(CYCLE_TAG)) is not None:
-        return int(tag)
-    event = context.instance.get_latest_materialization_event(dg.AssetKey("rollouts"))
-    if event is not None and event.asset_materialization is not None:
-        cycle = event.asset_materialization.metadata.get("cycle")
-        if cycle is not None:
-            return int(cycle.value)
-    cycles = stored_cycles(home().data)
-    if not cycles:
-        raise dg.Failure(f"no rollouts to verify: nothing under {home().data / 'rollouts'}")
-    return cycles[-1]
-
-
 @dg.asset(
     key="verified_rewards",
     deps=[dg.AssetKey("rollouts")],
@@ -54,7 +38,7 @@ def _cycle(context: dg.AssetExecutionContext, config: VerifiedRewardsConfig) -> 
 def verified_rewards(context: dg.AssetExecutionContext, config: VerifiedRewardsConfig) -> dg.MaterializeResult:
     """Rewards for every rollout of the cycle: reward, typed outcome, details and the verifier
     version, from sandboxed verifiers that re-execute what the model claimed."""
-    cycle = _cycle(context, config)
+    cycle = cycle_of(context, explicit=config.cycle, upstream="rollouts", stored=lambda: stored_cycles(home().data))
     try:
         with metered("verify", cycle) as meter:  # sandboxed verifier processes are waited-for children
             report, path, table = score_cycle(home().data, cycle, workers=config.workers or None)
