@@ -37,6 +37,12 @@ INPUT_EVENT_POINTER_PREFIX = "dagster/input_event_pointer/"
 NULL_POINTER = "NULL"  # what Dagster records for an upstream with no event yet
 INITIAL_DATA_VERSION = "INITIAL"  # Dagster's data version of an upstream with no event yet
 
+# Metadata key: a materialization that continues from an earlier materialization of the same
+# asset (a learner step starts from the previous step's checkpoint, not from an upstream asset)
+# names that event's data version here. Dagster records no input for a self-dependency; the audit
+# follows this like an input, so a model's lineage reaches every cycle it learned from.
+CONTINUES_FROM = "continues_from_data_version"
+
 HARVESTED_FAILURES = "harvested_failures"
 TRAINING_TASKS = "training_tasks"
 _BATCH_FILE = re.compile(r"^batch-(\d+)\.parquet$")
@@ -160,7 +166,9 @@ class Audit:
             if h.needed_by is None:
                 continue
             consumers = [d for d in self.hops if d.asset_key == h.needed_by and h.asset_key in d.inputs]
-            if not any(d.inputs[h.asset_key] == h.data_version for d in consumers):
+            continued = [d for d in self.hops if d.asset_key == h.needed_by == h.asset_key and d is not h]
+            if not any(d.inputs[h.asset_key] == h.data_version for d in consumers) and not any(
+                    d.metadata.get(CONTINUES_FROM) == h.data_version for d in continued):
                 out.append(f"{h.asset_key}: data version {h.data_version} is not what {h.needed_by} recorded as input")
         for sid, h in by_sid.items():
             if not h.data_version:

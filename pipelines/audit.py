@@ -10,7 +10,9 @@
    recorded input data version (or, when the pointer is unusable, the latest earlier event of
    that asset with that data version). Upstream keys come from the tags, i.e. from the asset
    graph as it was when the run happened; `parents` (the current graph) adds keys the run did
-   not record, reported as missing.
+   not record, reported as missing. An event that continued from an earlier event of its own
+   asset (metadata `ops.lineage.CONTINUES_FROM`: a learner step from the previous checkpoint)
+   is followed there too, so a model's lineage covers every cycle it learned from.
 Nothing here depends on which assets exist: the walk goes wherever the graph goes.
 """
 
@@ -24,7 +26,16 @@ from pathlib import Path
 
 import dagster as dg
 
-from ops.lineage import CODE_VERSION_TAG, DATA_VERSION_TAG, Audit, Hop, Missing, inputs_from_tags, trace_ids_of
+from ops.lineage import (
+    CODE_VERSION_TAG,
+    CONTINUES_FROM,
+    DATA_VERSION_TAG,
+    Audit,
+    Hop,
+    Missing,
+    inputs_from_tags,
+    trace_ids_of,
+)
 
 REGISTERED_MODEL = "perpetua-policy"
 START_ASSETS = ("deployment", "eval_report", "policy_checkpoint")
@@ -242,6 +253,15 @@ def walk(
                                            f"no event of {key} with data version {inp.data_version} in the instance"))
                 else:
                     queue.append((up, hop.asset_key))
+        earlier = hop.metadata.get(CONTINUES_FROM)
+        if earlier:  # continued from its own earlier materialization (ops.lineage.CONTINUES_FROM)
+            up = _upstream_record(instance, hop.asset_key, str(earlier), None, rec.storage_id)
+            if up is None:
+                missing.append(Missing(hop.asset_key, hop.asset_key, str(earlier),
+                                       f"no earlier event of {hop.asset_key} with data version {earlier}, "
+                                       "which it continued from"))
+            else:
+                queue.append((up, hop.asset_key))
     return hops, missing
 
 

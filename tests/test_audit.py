@@ -287,3 +287,40 @@ def test_no_instance_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PERPETUA_HOME", str(tmp_path / "empty"))
     code, _, text = cli_json(capsys, "--json")
     assert code == 2 and "no Dagster instance at" in text and "nothing has run" in text
+
+
+def test_a_model_continued_from_its_previous_checkpoint_is_audited_back_through_every_cycle():
+    """Dagster records no input for a self-dependency: a learner step continues from the previous
+    step's checkpoint. The step names that checkpoint's data version (ops.lineage.CONTINUES_FROM)
+    and the walk follows it, so cycle 2's model reaches cycle 1's batch as well as its own."""
+    from ops.lineage import CONTINUES_FROM
+
+    @dg.asset(name="batch", config_schema={"cycle": int})
+    def batch(context) -> dg.MaterializeResult:
+        return dg.MaterializeResult(data_version=dg.DataVersion(f"batch-{context.op_config['cycle']}"))
+
+    @dg.asset(name="checkpoint", deps=["batch"], config_schema={"version": int})
+    def checkpoint(context) -> dg.MaterializeResult:
+        version = context.op_config["version"]
+        metadata = {CONTINUES_FROM: f"weights-v{version - 1}"} if version > 1 else {}
+        return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(f"weights-v{version}"))
+
+    with dg.instance_for_test() as instance:
+        runs = [dg.materialize([batch, checkpoint], instance=instance,
+                               run_config={"ops": {"batch": {"config": {"cycle": v}}, "checkpoint": {"config": {"version": v}}}})
+                for v in (1, 2)]
+        hops, missing = au.walk(instance, au.start_record(instance, runs[1].run_id, ["checkpoint"]))
+        audit = au.Audit(model_version=None, hops=hops, missing=missing)
+        assert [(h.asset_key, h.data_version) for h in hops] == [
+            ("checkpoint", "weights-v2"), ("batch", "batch-2"), ("checkpoint", "weights-v1"), ("batch", "batch-1")]
+        assert missing == [] and audit.problems() == []
+        assert [h.dagster_run_id for h in hops] == [runs[1].run_id, runs[1].run_id, runs[0].run_id, runs[0].run_id]
+
+        # A checkpoint that names an earlier one the instance never saw is a reported gap.
+        @dg.asset(name="checkpoint", deps=["batch"])
+        def orphan() -> dg.MaterializeResult:
+            return dg.MaterializeResult(metadata={CONTINUES_FROM: "weights-v9"}, data_version=dg.DataVersion("weights-v10"))
+
+        run = dg.materialize([orphan], instance=instance, selection=["checkpoint"])
+        hops, missing = au.walk(instance, au.start_record(instance, run.run_id, ["checkpoint"]))
+        assert [(m.asset_key, m.needed_by, m.data_version) for m in missing] == [("checkpoint", "checkpoint", "weights-v9")]

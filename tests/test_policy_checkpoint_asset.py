@@ -94,6 +94,10 @@ def test_policy_checkpoint_materializes_through_pipes(perpetua_home):
         md2 = {k: v.value for k, v in mat2.metadata.items()}
         assert (md2["policy_version"], md2["parent_policy_version"], md2["world_size"]) == (2, 1, 1)
         assert md2["optimizer_updates"] == 4
+        # It names the materialization it continued from, for the audit (ops.lineage.CONTINUES_FROM).
+        from ops.lineage import CONTINUES_FROM
+
+        assert md2[CONTINUES_FROM] == mat.tags["dagster/data_version"] and CONTINUES_FROM not in md
         assert sorted(m.step for m in client.get_metric_history(md2["mlflow_run_id"], "loss")) == [3, 4]
         assert (perpetua_home / "models" / "policy" / "v0002" / "hf" / "config.json").exists()
 

@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from ops.lineage import CONTINUES_FROM
+
 CRASH_AFTER_UPDATE = "PERPETUA_LEARNER_CRASH_AFTER_OPTIMIZER_UPDATE"
 CRASH_BEFORE_COMMIT = "PERPETUA_LEARNER_CRASH_BEFORE_COMMIT"
 CRASH_EXIT_CODE = 17
@@ -109,6 +111,16 @@ def _barrier() -> None:
 
 def _finite(x):
     return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def _parent_data_version(export_root: Path, version_in: int) -> str | None:
+    """The data version of the policy_checkpoint materialization this step continues from: the
+    hash of version_in's export (what that materialization reported). None from the base policy,
+    which is an input of its own."""
+    from ops.learner.config import policy_dir
+
+    weights = policy_dir(export_root, version_in) / "model.safetensors"
+    return _file_hash(weights) if version_in > 0 and weights.exists() else None
 
 
 def _file_hash(path: Path) -> str:
@@ -212,6 +224,7 @@ def run_job(job, log=print) -> dict:
     result = {
         "policy_version": version_out,
         "parent_policy_version": version_in,
+        "parent_data_version": _parent_data_version(job.export_root, version_in),
         "batch_id": batch.batch_id,
         "cycle": job.cycle,
         "updates": len(step.updates),
@@ -298,6 +311,8 @@ def materialization_metadata(result: dict, job=None) -> dict:
         md["mlflow_run_id"] = job.mlflow_run_id
     if result.get("cycle") is not None:
         md["cycle"] = result["cycle"]
+    if result.get("parent_data_version"):
+        md[CONTINUES_FROM] = result["parent_data_version"]
     if result.get("tokens_per_expert") is not None:
         md["tokens_per_expert"] = {"raw_value": {"per_layer": result["tokens_per_expert"]}, "type": "json"}
     return md
