@@ -9,9 +9,11 @@ from assets.cycle import CYCLE_JOB
 # name -> (asset keys, description)
 JOB_ASSETS: dict[str, tuple[list[str], str]] = {
     CYCLE_JOB: (
-        ["harvested_failures", "training_tasks", "rollouts", "verified_rewards", "policy_checkpoint",
+        # production_traces first: the run observes the landing zone it harvests, so every
+        # cycle's lineage names the landing state its failures came from (the audit needs it).
+        ["production_traces", "harvested_failures", "training_tasks", "rollouts", "verified_rewards", "policy_checkpoint",
          "eval_report", "deployment"],
-        "One iteration of the loop: harvest -> tasks -> rollouts -> rewards -> learner step -> eval -> gated deploy.",
+        "One iteration of the loop: observe landing -> harvest -> tasks -> rollouts -> rewards -> learner step -> eval -> gated deploy.",
     ),
     "harvest": (["production_traces", "harvested_failures"], "Harvest new production failures from the landing zone (and MLflow traces)."),
     "bootstrap": (["base_policy"], "Train the base policy (cached when config and code are unchanged)."),

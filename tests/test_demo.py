@@ -43,6 +43,11 @@ def _demo(env: dict, summary: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
 
 
+def _failure_trace_ids(home: Path) -> set[str]:
+    records = (json.loads(line) for p in (home / "landing").glob("*.jsonl") for line in p.read_text().splitlines())
+    return {r["trace_id"] for r in records if r["outcome"] != "success"}
+
+
 def _landed(home: Path) -> int:
     return sum(len(p.read_text().splitlines()) for p in (home / "landing").glob("*.jsonl"))
 
@@ -67,7 +72,7 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
     assert {r["cycle"] for r in summary["production_failure_rate"]} == {1, 2}  # before cycle 1, and after it
     assert summary["automation"] == {"retraining_sensor": "RUNNING", "harvest_schedule": "RUNNING",
                                      "nightly_eval_schedule": "RUNNING"}
-    landed_before_second = _landed(home)
+    landed_before_second, failures_before_second = _landed(home), _failure_trace_ids(home)
 
     second = _demo(env, tmp_path / "second.json", "--no-automation", "--run-config", str(tmp_path / "small.yaml"))
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-6000:]
@@ -102,3 +107,16 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
     assert reads[row["dagster_run_id"]] + reads[row2["dagster_run_id"]] == _landed(home) - closing_traffic
     uri = tracking.local_store(h.mlflow)[0]
     assert [tracking.client(uri).get_run(r["mlflow_run_id"]).info.status for r in (row, row2)] == ["FINISHED", "FINISHED"]
+
+    # The lineage of cycle 2's run reaches back through the checkpoint it continued from to both
+    # cycles' runs and harvests, whatever the gate decided.
+    audit = subprocess.run([sys.executable, "-m", "pipelines.cli", "audit", "--run", row2["dagster_run_id"], "--json"],
+                           env=env, capture_output=True, text=True, timeout=300)
+    lineage = json.loads(audit.stdout)
+    assert audit.returncode == 0 and lineage["complete"], audit.stdout[-3000:] + audit.stderr[-3000:]
+    runs_of = lambda key: {hop["dagster_run_id"] for hop in lineage["hops"] if hop["asset_key"] == key}  # noqa: E731
+    for key in ("policy_checkpoint", "rollouts", "verified_rewards", "harvested_failures"):
+        assert runs_of(key) == {row["dagster_run_id"], row2["dagster_run_id"]}, key
+    # ... to the production traces: every failure landed before the second run (harvested by
+    # cycle 1 or 2), and nothing that is not a landed failure.
+    assert failures_before_second <= set(lineage["trace_ids"]) <= _failure_trace_ids(home)
