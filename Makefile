@@ -37,5 +37,7 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
+# Stop the servers this home started (they outlive runs) before deleting it.
 clean:
+	-test -x $(VENV)/bin/perpetua && PERPETUA_HOME=$(CURDIR)/.perpetua $(VENV)/bin/perpetua stop
 	rm -rf .perpetua

@@ -22,6 +22,7 @@ COMMANDS = {
     "sandbox": "Run a command inside the verifier sandbox and print the outcome.",
     "simulate": "Run the production simulator: traffic against the served champion, traces to landing/.",
     "rescore": "Re-score stored rollouts with the current verifiers, without regenerating them.",
+    "stop": "Stop the local vLLM and MLflow servers of this PERPETUA_HOME.",
 }
 
 

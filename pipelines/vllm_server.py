@@ -167,6 +167,13 @@ def start_failure(code: int, log_path: Path, env: dict[str, str]) -> str:
     return f"vLLM server exited with code {code} during start-up; log {log_path}: {tail}"
 
 
+def recorded_ports(h: Home | None = None) -> list[int]:
+    """Ports with a server pid file in this home (running or stale)."""
+    h = h or home()
+    ports = (p.stem.removeprefix("vllm-") for p in services_dir(h).glob("vllm-*.json"))
+    return sorted(int(p) for p in ports if p.isdigit())
+
+
 def stop(port: int = DEFAULT_PORT, h: Home | None = None, grace_s: float = 15.0) -> bool:
     """Stop the server on `port` of this home; True if one was running."""
     h = h or home()

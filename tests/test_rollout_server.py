@@ -131,10 +131,23 @@ def test_start_failure_names_the_memory_setting(tmp_path):
     assert "VLLM_CPU_KVCACHE_SPACE" in msg and "kv_cache_gib" in msg and "64 GiB" in msg
 
 
-def test_stop_ends_the_server_process_group(server, home):
+def test_stop_ends_the_server_process_group(server, home, monkeypatch, capsys):
+    """`perpetua stop`: every server this home recorded, stale pid files included."""
+    import json
+    import subprocess
+
     import psutil
 
-    assert vllm_server.stop(server.port, h=home)
+    from pipelines.cli import main
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = vllm_server.pid_file(home, 1)  # a server that died without cleaning up after itself
+    stale.write_text(json.dumps({"pid": dead.pid}))
+    monkeypatch.setenv("PERPETUA_HOME", str(home.root))
+    assert main(["stop", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"vllm": [server.port], "mlflow": False}
+    assert not stale.exists()
     assert not psutil.pid_exists(server.pid) or psutil.Process(server.pid).status() == psutil.STATUS_ZOMBIE
     assert vllm_server.status(server.port, h=home) is None
     assert not vllm_server.pid_file(home, server.port).exists()

@@ -1,0 +1,30 @@
+"""`perpetua stop [--json]`: stop the long-lived local services of this PERPETUA_HOME.
+
+The vLLM servers and the MLflow server outlive the commands and Dagster runs that start them
+(engines stay up across iterations, by design). The demo stops what it started; servers that
+runs launched by the daemon started keep running until this command (or `make clean`, which runs
+it before deleting PERPETUA_HOME) ends them. Stale pid files are removed on the way.
+"""
+
+from __future__ import annotations
+
+from pipelines.cli import print_json
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--json", action="store_true", help='print {"vllm": [ports stopped], "mlflow": bool} as JSON')
+
+
+def run(args) -> int:
+    from ops.paths import home
+    from pipelines import mlflow_server, vllm_server
+
+    h = home()
+    stopped = {"vllm": [port for port in vllm_server.recorded_ports(h) if vllm_server.stop(port, h)],
+               "mlflow": mlflow_server.stop(h)}
+    if args.json:
+        print_json(stopped)
+    else:
+        what = [f"vLLM server on port {port}" for port in stopped["vllm"]] + (["MLflow server"] if stopped["mlflow"] else [])
+        print(f"stopped {', '.join(what)}" if what else f"nothing was running for PERPETUA_HOME={h.root}")
+    return 0
