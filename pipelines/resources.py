@@ -41,6 +41,16 @@ class PolicyServer(dg.ConfigurableResource):
             engine.load_weights(model_dir, version)
         return engine
 
+    def warm(self, model_dir: Path, version: int) -> None:
+        """Start the local server with `version` if none runs (no-op for remote servers), so a
+        caller can overlap its start-up with other work; `engine()` then finds it healthy."""
+        from ops.vllm_engine import EngineConfig
+        from pipelines import vllm_server
+
+        if not self.base_urls and self.autostart and vllm_server.status(self.port) is None:
+            vllm_server.start(model_dir, EngineConfig(kv_cache_gib=self.kv_cache_gib), port=self.port,
+                              policy_version=version)
+
     def serve(self, model_dir: Path) -> int:
         """Refit the server in place to the policy in `model_dir` and check it now serves it."""
         from ops.rollout.engine import resolve_version
