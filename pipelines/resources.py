@@ -24,32 +24,28 @@ class PolicyServer(dg.ConfigurableResource):
 
     def engine(self, model_dir: Path, version: int):
         from ops.rollout.server import ServerEngine
-        from ops.vllm_engine import EngineConfig
-        from pipelines import vllm_server
 
-        if self.base_urls:
-            engine = ServerEngine(self.base_urls)
-        else:
-            server = vllm_server.status(self.port)
-            if server is None:
-                if not self.autostart:
-                    raise dg.Failure(f"no vLLM server on 127.0.0.1:{self.port} and autostart is off")
-                server = vllm_server.start(model_dir, EngineConfig(kv_cache_gib=self.kv_cache_gib), port=self.port,
-                                           policy_version=version)
-            engine = ServerEngine(server.url)
+        server = self.warm(model_dir, version)
+        engine = ServerEngine(server.url if server else self.base_urls)
         if engine.policy_version != version:
             engine.load_weights(model_dir, version)
         return engine
 
-    def warm(self, model_dir: Path, version: int) -> None:
-        """Start the local server with `version` if none runs (no-op for remote servers), so a
-        caller can overlap its start-up with other work; `engine()` then finds it healthy."""
+    def warm(self, model_dir: Path, version: int):
+        """The local server, started with `version` if none runs (None for remote servers). The
+        demo calls it to overlap a server's start-up with other work; `engine()` goes through it."""
         from ops.vllm_engine import EngineConfig
         from pipelines import vllm_server
 
-        if not self.base_urls and self.autostart and vllm_server.status(self.port) is None:
-            vllm_server.start(model_dir, EngineConfig(kv_cache_gib=self.kv_cache_gib), port=self.port,
-                              policy_version=version)
+        if self.base_urls:
+            return None
+        server = vllm_server.status(self.port)
+        if server is None:
+            if not self.autostart:
+                raise dg.Failure(f"no vLLM server on 127.0.0.1:{self.port} and autostart is off")
+            server = vllm_server.start(model_dir, EngineConfig(kv_cache_gib=self.kv_cache_gib), port=self.port,
+                                       policy_version=version)
+        return server
 
     def serve(self, model_dir: Path) -> int:
         """Refit the server in place to the policy in `model_dir` and check it now serves it."""
