@@ -2,9 +2,9 @@
 (demo, sensor) opened it, else found or opened by (cycle, Dagster run id), so every stage of one
 run logs under the same parent; and how a finished cycle run closes it.
 
-A cycle ends one of three ways: it deployed (`success`), the deploy gate blocked the candidate
-(`gate-blocked`: a designed outcome, so its MLflow run is FINISHED, not FAILED), or something
-broke (`failed`). The demo and the run-status sensors (pipelines/sensors.py) decide it the same
+A cycle ends one of four ways: it deployed (`success`), the deploy gate blocked the candidate
+(`gate-blocked`: a designed outcome, so its MLflow run is FINISHED, not FAILED), it was
+interrupted (`interrupted`: Ctrl-C or a termination; KILLED), or something broke (`failed`). The demo and the run-status sensors (pipelines/sensors.py) decide it the same
 way, from the run's Dagster events.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from ops import tracking
 
 PARENT_RUN_TAG = "perpetua/mlflow_run_id"
-MLFLOW_STATUS = {"success": "FINISHED", "gate-blocked": "FINISHED", "failed": "FAILED"}
+MLFLOW_STATUS = {"success": "FINISHED", "gate-blocked": "FINISHED", "interrupted": "KILLED", "failed": "FAILED"}
 
 
 def cycle_run_id(context, uri: str, experiment: str, cycle: int) -> str:
@@ -37,12 +37,17 @@ def find_cycle_run(uri: str, experiment: str, dagster_run_id: str, cycle: int | 
 
 
 def cycle_outcome(succeeded: bool, events: Iterable) -> str:
-    """`success`, `gate-blocked` or `failed`, from whether the run succeeded and its Dagster
-    events: gate-blocked when a check evaluation failed and every failed step failed only
-    because a blocking check did."""
+    """`success`, `gate-blocked`, `interrupted` or `failed`, from whether the run succeeded and
+    its Dagster events: interrupted when a step or the run between steps was interrupted (Dagster
+    records that as a failure); gate-blocked when a check evaluation failed and every failed step
+    failed only because a blocking check did."""
     if succeeded:
         return "success"
     events = [e for e in events if e is not None]
+    if any((e.is_step_failure and getattr(e.step_failure_data.error_source, "name", "") == "INTERRUPT")
+           or (e.is_job_failure and getattr(e.job_failure_data.failure_reason, "name", "") == "UNEXPECTED_TERMINATION")
+           for e in events):
+        return "interrupted"
     check_failed = any(e.event_type_value == "ASSET_CHECK_EVALUATION" and not e.asset_check_evaluation_data.passed
                        for e in events)
     step_errors = [e.step_failure_data.error for e in events if e.is_step_failure]

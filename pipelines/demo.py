@@ -211,13 +211,12 @@ def run_demo(settings: DemoSettings, log: Callable[[str], None] = print) -> dict
                     instance=instance, tags={CYCLE_TAG: str(cycle), PARENT_RUN_TAG: parent, TRIGGER_TAG: "demo"},
                     run_config=job_run_config(settings, CYCLE_JOB), raise_on_error=False)
             except BaseException:  # interrupted (Ctrl-C): the MLflow record says so, not RUNNING forever
-                tracking.end_run(server.url, parent, "KILLED")
+                tracking.end_run(server.url, parent, MLFLOW_STATUS["interrupted"])
                 raise
-            if _interrupted(result):  # Dagster caught the Ctrl-C and failed the run; stop here too
-                tracking.end_run(server.url, parent, "KILLED")
-                raise KeyboardInterrupt
             row = cycle_row(cycle, result, traffic, parent, time.monotonic() - t0)
             tracking.end_run(server.url, parent, MLFLOW_STATUS[row["run_outcome"]])
+            if row["run_outcome"] == "interrupted":  # Dagster caught the Ctrl-C and failed the run
+                raise KeyboardInterrupt
             rows.append(row)
             print_row(row)
         champion = registry.champion_version(server.url, policies.REGISTERED_MODEL)
@@ -262,14 +261,3 @@ def _failure_message(result) -> str | None:
             error = event.step_failure_data.error
             return f"{event.step_key}: {error.message.strip().splitlines()[0] if error else 'failed'}"
     return None
-
-
-def _interrupted(result) -> bool:
-    """Ctrl-C reached the run. With raise_on_error=False Dagster records the interruption as a
-    failure (of the step it hit, or of the run between steps) and returns instead of raising."""
-    for event in result.all_events:
-        if event.is_step_failure and getattr(event.step_failure_data.error_source, "name", "") == "INTERRUPT":
-            return True
-        if event.is_job_failure and getattr(event.job_failure_data.failure_reason, "name", "") == "UNEXPECTED_TERMINATION":
-            return True
-    return False

@@ -112,12 +112,15 @@ def test_schedules_and_sensors_resolve_in_definitions():
 
 
 def _cycle_like_job(kind: str) -> dg.JobDefinition:
-    """A job named like the cycle job whose run deploys, is stopped by a blocking check, or breaks."""
+    """A job named like the cycle job whose run deploys, is stopped by a blocking check, is
+    interrupted (Ctrl-C inside a step) or breaks."""
 
     @dg.asset(name=f"report_{kind}")
     def report() -> None:
         if kind == "broken":
             raise RuntimeError("the learner crashed")
+        if kind == "interrupted":
+            raise KeyboardInterrupt
 
     @dg.asset_check(asset=report, blocking=True)
     def gate() -> dg.AssetCheckResult:
@@ -142,7 +145,7 @@ def test_closing_sensors_end_the_cycle_mlflow_run_by_outcome(tmp_path):
     mlflow = MlflowTracking(tracking_uri=uri)
     ended = {}
     with dg.instance_for_test() as instance:
-        for kind in ("deployed", "blocked", "broken"):
+        for kind in ("deployed", "blocked", "interrupted", "broken"):
             parent = tracking.start_cycle_run(uri, "perpetua", cycle=1)
             result = _cycle_like_job(kind).execute_in_process(instance=instance, tags={PARENT_RUN_TAG: parent},
                                                               raise_on_error=False)
@@ -160,5 +163,5 @@ def test_closing_sensors_end_the_cycle_mlflow_run_by_outcome(tmp_path):
         context = dg.build_run_status_sensor_context(sensor_name=cycle_mlflow_run_on_success.name, dagster_event=result.get_run_success_event(),
                                                      dagster_instance=instance, dagster_run=result.dagster_run, resources={"mlflow": mlflow})
         skipped = cycle_mlflow_run_on_success(context)
-    assert ended == {"deployed": "FINISHED", "blocked": "FINISHED", "broken": "FAILED"}
+    assert ended == {"deployed": "FINISHED", "blocked": "FINISHED", "interrupted": "KILLED", "broken": "FAILED"}
     assert isinstance(skipped, dg.SkipReason) and "not a cycle run" in skipped.skip_message
