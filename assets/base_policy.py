@@ -11,8 +11,8 @@ import json
 
 import dagster as dg
 
-from ops.bootstrap import BootstrapConfig, bootstrap_base_policy
-from ops.paths import home
+from ops.policy.bootstrap import BootstrapConfig, bootstrap_base_policy
+from ops.common.paths import home
 
 CODE_VERSION = "base_policy-v1"
 

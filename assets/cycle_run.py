@@ -10,7 +10,7 @@ way, from the run's Dagster events.
 
 from collections.abc import Iterable
 
-from ops import tracking
+from ops.common import tracking
 
 PARENT_RUN_TAG = "perpetua/mlflow_run_id"
 MLFLOW_STATUS = {"success": "FINISHED", "gate-blocked": "FINISHED", "interrupted": "KILLED", "failed": "FAILED"}

@@ -1,7 +1,7 @@
 """`deployment`: the candidate that passed the gate becomes the champion: registered in the MLflow
 Model Registry, the production vLLM server refit in place and checked, then the `champion`
 alias moved (the old one kept as `previous-champion`). All or nothing: a failed refit leaves
-the registry and the served model as they were (ops/registry.py)."""
+the registry and the served model as they were (ops/deploy/registry.py)."""
 
 import json
 
@@ -11,9 +11,11 @@ from assets.cycle import cycle_of
 from assets.cycle_run import cycle_run_id
 from assets.eval_report import report_path
 from assets.metering import cost_metadata, metered
-from ops import policies, registry, tracking
-from ops.paths import home
-from pipelines.resources import MlflowTracking, PolicyServer
+from ops.policy import versions as policies
+from ops.deploy import registry
+from ops.common import tracking
+from ops.common.paths import home
+from assets.resources import MlflowTracking, PolicyServer
 
 CODE_VERSION = "deployment-1"
 

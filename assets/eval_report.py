@@ -9,18 +9,21 @@ import dagster as dg
 from assets.cycle import cycle_of
 from assets.cycle_run import cycle_run_id
 from assets.metering import cost_metadata, metered
-from ops import cycle_costs, policies, registry, tracking
-from ops.cost import Campaign, CycleRecord
-from ops.deploy_gate import GateConfig, decide
-from ops.ipd_plot import save_ipd_plot
-from ops.tables import REWARDS, ROLLOUTS, read_table, table_hash
-from ops.verify import rewards_path, rollouts_path
-from ops.evaluation import EvalConfig, eval_sets, evaluate_policy
-from ops.paths import home
-from ops.tokenizer import load_hf_tokenizer
-from ops.training_tasks import current_training_tasks_path, read_training_tasks
-from ops.task_world import Task
-from pipelines.resources import MlflowTracking, PolicyServer
+from ops.cost import cycle_costs
+from ops.policy import versions as policies
+from ops.deploy import registry
+from ops.common import tracking
+from ops.cost.model import Campaign, CycleRecord
+from ops.evaluate.gate import GateConfig, decide
+from ops.cost.plot import save_ipd_plot
+from ops.common.tables import REWARDS, ROLLOUTS, read_table, table_hash
+from ops.reward.scoring import rewards_path, rollouts_path
+from ops.evaluate.sets import EvalConfig, eval_sets, evaluate_policy
+from ops.common.paths import home
+from ops.policy.tokenizer import load_hf_tokenizer
+from ops.tasks.training_tasks import current_training_tasks_path, read_training_tasks
+from ops.tasks.task_world import Task
+from assets.resources import MlflowTracking, PolicyServer
 
 CODE_VERSION = "eval_report-1"
 

@@ -1,8 +1,8 @@
 """`harvested_failures`: every unique failing task seen in production so far.
 
-Thin: resolves which model versions are real, runs one incremental harvest (`ops.harvest`),
+Thin: resolves which model versions are real, runs one incremental harvest (`ops.harvest.harvester`),
 and reports its counts, quarantine reasons, conservation and lineage. The table (schema
-`ops.harvest.HARVESTED_FAILURES`) is written by the harvest under
+`ops.harvest.harvester.HARVESTED_FAILURES`) is written by the harvest under
 PERPETUA_HOME/data/harvested_failures/failures-<generation>.parquet; its hash is the data version,
 so a harvest that finds nothing new leaves downstream assets fresh.
 """
@@ -11,11 +11,11 @@ so a harvest that finds nothing new leaves downstream assets fresh.
 import dagster as dg
 from pydantic import Field
 
-from ops.harvest import HARVEST_CODE_VERSION, HarvestResult, HarvestSettings, MlflowTraceSource, harvest, resolve_known_versions
-from ops.paths import home
+from ops.harvest.harvester import HARVEST_CODE_VERSION, HarvestResult, HarvestConfig, MlflowTraceSource, harvest, resolve_known_versions
+from ops.common.paths import home
 
 
-class HarvestConfig(dg.Config):
+class HarvestedFailuresConfig(dg.Config):
     known_model_versions: list[str] | None = Field(
         default=None, description="Accepted model versions; default: env PERPETUA_KNOWN_MODEL_VERSIONS, else the MLflow registry."
     )
@@ -32,7 +32,7 @@ class HarvestConfig(dg.Config):
     kinds={"python", "parquet"},
     code_version=HARVEST_CODE_VERSION,
 )
-def harvested_failures(context: dg.AssetExecutionContext, config: HarvestConfig) -> dg.MaterializeResult:
+def harvested_failures(context: dg.AssetExecutionContext, config: HarvestedFailuresConfig) -> dg.MaterializeResult:
     """Validated, deduplicated production failures (bad records quarantined with reasons)."""
     known, known_from = resolve_known_versions(config.known_model_versions, config.mlflow_tracking_uri, config.registered_model_name)
     if not known:
@@ -41,7 +41,7 @@ def harvested_failures(context: dg.AssetExecutionContext, config: HarvestConfig)
     if config.mlflow_trace_experiments:
         uri = config.mlflow_tracking_uri or f"sqlite:///{home().mlflow / 'mlflow.db'}"
         mlflow = MlflowTraceSource(tracking_uri=uri, experiment_names=config.mlflow_trace_experiments)
-    result = harvest(HarvestSettings(known_model_versions=known, max_record_bytes=config.max_record_bytes, mlflow=mlflow))
+    result = harvest(HarvestConfig(known_model_versions=known, max_record_bytes=config.max_record_bytes, mlflow=mlflow))
     return dg.MaterializeResult(metadata=harvest_metadata(result, sorted(known), known_from), data_version=dg.DataVersion(result.data_version))
 
 

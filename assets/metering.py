@@ -1,11 +1,11 @@
 """Each stage measures its own cost: a StageMeter around the work, recorded with the cycle's
-tables (ops.cycle_costs) and returned as asset metadata."""
+tables (ops.cost.cycle_costs) and returned as asset metadata."""
 
 import contextlib
 
-from ops import cycle_costs
-from ops.cost import StageMeter
-from ops.paths import home
+from ops.cost import cycle_costs
+from ops.cost.model import StageMeter
+from ops.common.paths import home
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """`policy_checkpoint`: one learner step (policy vK -> vK+1) on the cycle's verified batch.
 
 The learner runs in its own process group, launched through Dagster Pipes as
-`python -m torch.distributed.run --standalone --nproc_per_node N -m ops.learner.main --config JOB`
+`python -m torch.distributed.run --standalone --nproc_per_node N -m ops.learn.main --config JOB`
 (gloo on CPU, NCCL on GPU; `--standalone` picks a free rendezvous port so two runs cannot
 collide). Only rank 0 talks to Dagster: it reports the one materialization (new policy version,
 checkpoint path, key metrics) that this asset returns. Per-update metrics go to MLflow from rank 0
@@ -23,7 +23,7 @@ from assets.cycle import cycle_of
 from assets.cycle_run import cycle_run_id
 from assets.metering import cost_metadata, metered
 
-from ops.paths import home
+from ops.common.paths import home
 
 ASSET_VERSION = "1"  # bump when the learner's algorithm or this asset's logic changes
 CODE_VERSION = f"policy_checkpoint-{ASSET_VERSION}"
@@ -39,7 +39,7 @@ class PolicyCheckpointConfig(dg.Config):
     updates_per_step: int = Field(default=2, description="Optimizer updates over the batch in this step.")
     lr: float = Field(default=5e-4, description="AdamW learning rate (5e-4 x 2 updates: the demo deploys an improvement by cycle 2; 1e-3 x 4 forgets the bootstrap families).")
     precision: str = Field(default="fp32", description="fp32, or bf16 on CUDA.")
-    learner_overrides_json: str = Field(default="{}", description="Further ops.learner.config.LearnerConfig fields, "
+    learner_overrides_json: str = Field(default="{}", description="Further ops.learn.config.LearnerConfig fields, "
                                         "as JSON (e.g. the loss or advantage settings).")
     mlflow_tracking_uri: str | None = Field(default=None, description="MLflow tracking URI (default: env, else "
                                             "PERPETUA_HOME/mlflow).")
@@ -51,7 +51,7 @@ class PolicyCheckpointConfig(dg.Config):
 def _learner_config(config: PolicyCheckpointConfig, base_hf: Path):
     from pydantic import ValidationError
 
-    from ops.learner.config import LearnerConfig
+    from ops.learn.config import LearnerConfig
 
     try:
         overrides = json.loads(config.learner_overrides_json or "{}")
@@ -66,7 +66,7 @@ def _learner_config(config: PolicyCheckpointConfig, base_hf: Path):
 
 
 def _mlflow_run(context, config: PolicyCheckpointConfig, cycle: int, learner_cfg) -> tuple[str, str]:
-    from ops import tracking
+    from ops.common import tracking
 
     uri = config.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or tracking.local_store(home().mlflow)[0]
     tags = tracking.dagster_tags(context.run_id, "policy_checkpoint") | {tracking.TAG_CYCLE: str(cycle)}
@@ -102,10 +102,10 @@ def policy_checkpoint(
     rollouts and verified rewards (expert parallel under torchrun), checkpointed with optimizer
     state and exported in HF format for vLLM. Metadata: policy version, checkpoint path, loss,
     train/inference mismatch, entropy, router balance, throughput."""
-    from ops import tracking
-    from ops.checkpoint import latest_complete
-    from ops.learner.config import LearnerJob
-    from ops.verify import rewards_path, rollouts_path, stored_cycles
+    from ops.common import tracking
+    from ops.policy.checkpoint import latest_complete
+    from ops.learn.config import LearnerJob
+    from ops.reward.scoring import rewards_path, rollouts_path, stored_cycles
 
     h = home().ensure()
     cycle = cycle_of(context, explicit=config.cycle, upstream="verified_rewards", stored=lambda: sorted(
@@ -140,7 +140,7 @@ def policy_checkpoint(
     job_path = jobs / f"{context.run_id}.json"
     job_path.write_text(job.model_dump_json(indent=2))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-               str(config.nproc_per_node), "-m", "ops.learner.main", "--config", str(job_path)]
+               str(config.nproc_per_node), "-m", "ops.learn.main", "--config", str(job_path)]
     env = {"PERPETUA_HOME": str(h.root), "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     try:

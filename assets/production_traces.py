@@ -1,7 +1,7 @@
 """`production_traces`: the external source of the loop, what production writes to the landing zone.
 
 Nothing here materializes it: production (the simulator, or a real agent gateway) writes trace
-files in the `ops.traces` contract into PERPETUA_HOME/landing/. Observing it records a data
+files in the `ops.harvest.contract` contract into PERPETUA_HOME/landing/. Observing it records a data
 version (a hash of the landing listing), so every harvest's lineage names the landing state it
 read. A job that selects it (e.g. `harvest`) observes it before harvesting.
 """
@@ -10,8 +10,8 @@ import warnings
 
 import dagster as dg
 
-from ops.harvest import landing_data_version
-from ops.paths import home
+from ops.harvest.harvester import landing_data_version
+from ops.common.paths import home
 
 
 def _observe_landing(context) -> dg.ObserveResult:
@@ -28,6 +28,6 @@ with warnings.catch_warnings():  # observable_source_asset is marked beta in dag
     production_traces = dg.observable_source_asset(
         name="production_traces",
         group_name="ingest",
-        description="Production trace files (ops.traces contract v1) in PERPETUA_HOME/landing; observed by listing.",
-        metadata={"contract": "ops.traces.TraceRecord v1", "formats": "jsonl, parquet"},
+        description="Production trace files (ops.harvest.contract contract v1) in PERPETUA_HOME/landing; observed by listing.",
+        metadata={"contract": "ops.harvest.contract.TraceRecord v1", "formats": "jsonl, parquet"},
     )(_observe_landing)

@@ -6,15 +6,15 @@ import dagster as dg
 
 from assets.cycle import cycle_of
 from assets.metering import cost_metadata, metered
-from ops import policies
-from ops.paths import home
+from ops.policy import versions as policies
+from ops.common.paths import home
 from ops.rollout.groups import SamplingConfig, generate_groups
-from ops.tables import ROLLOUTS, table_hash, write_table
-from ops.task_world import Task
-from ops.tokenizer import load_hf_tokenizer
-from ops.training_tasks import current_training_tasks_path, read_training_tasks
-from ops.verify import rollouts_path
-from pipelines.resources import PolicyServer
+from ops.common.tables import ROLLOUTS, table_hash, write_table
+from ops.tasks.task_world import Task
+from ops.policy.tokenizer import load_hf_tokenizer
+from ops.tasks.training_tasks import current_training_tasks_path, read_training_tasks
+from ops.reward.scoring import rollouts_path
+from assets.resources import PolicyServer
 
 CODE_VERSION = "rollouts-1"
 

@@ -1,9 +1,9 @@
 """`training_tasks`: this cycle's RL tasks, from the harvested failures plus replay.
 
-Thin: reads the current failures table, calls `ops.training_tasks.build_and_write_training_tasks`
+Thin: reads the current failures table, calls `ops.tasks.training_tasks.build_and_write_training_tasks`
 (verifier spec per task, train / held-out split by hash of the task id, replay of earlier and
 bootstrap tasks), and reports counts and lineage. The table (schema
-`ops.training_tasks.TRAINING_TASKS`) lives at PERPETUA_HOME/data/training_tasks/tasks-<hash>.parquet;
+`ops.tasks.training_tasks.TRAINING_TASKS`) lives at PERPETUA_HOME/data/training_tasks/tasks-<hash>.parquet;
 its hash is the data version.
 """
 
@@ -13,8 +13,8 @@ from collections import Counter
 import dagster as dg
 from pydantic import Field
 
-from ops.harvest import read_failures
-from ops.training_tasks import TRAINING_TASKS_CODE_VERSION, TrainingTaskSettings, build_and_write_training_tasks
+from ops.harvest.harvester import read_failures
+from ops.tasks.training_tasks import TRAINING_TASKS_CODE_VERSION, TrainingTaskConfig, build_and_write_training_tasks
 
 
 class TrainingTasksConfig(dg.Config):
@@ -33,7 +33,7 @@ class TrainingTasksConfig(dg.Config):
 )
 def training_tasks(context: dg.AssetExecutionContext, config: TrainingTasksConfig) -> dg.MaterializeResult:
     """RL tasks with verifier specs; the held-out split is never trained on."""
-    settings = TrainingTaskSettings(
+    settings = TrainingTaskConfig(
         heldout_fraction=config.heldout_fraction,
         replay_ratio=config.replay_ratio,
         min_replay=config.min_replay,

@@ -1,8 +1,8 @@
 """`verified_rewards`: every rollout of a cycle scored by its verifier, inside the sandbox.
 
-Reads `data/rollouts/cycle=N.parquet` (ops.tables.ROLLOUTS) and the ground truth of the stored
-training tasks, writes `data/verified_rewards/cycle=N.parquet` (ops.tables.REWARDS; the columns
-are documented in ops/verify.py). The code version carries every verifier's version, so
+Reads `data/rollouts/cycle=N.parquet` (ops.common.tables.ROLLOUTS) and the ground truth of the stored
+training tasks, writes `data/verified_rewards/cycle=N.parquet` (ops.common.tables.REWARDS; the columns
+are documented in ops/reward/scoring.py). The code version carries every verifier's version, so
 bumping a verifier marks the stored rewards stale; `perpetua rescore` re-scores them.
 """
 
@@ -13,10 +13,10 @@ from pydantic import Field
 from assets.cycle import cycle_of
 from assets.metering import cost_metadata, metered
 
-from ops.paths import home
-from ops.tables import table_hash
-from ops.verifiers import verifier_versions
-from ops.verify import NothingToScore, score_cycle, stored_cycles
+from ops.common.paths import home
+from ops.common.tables import table_hash
+from ops.reward.verifiers import verifier_versions
+from ops.reward.scoring import NothingToScore, score_cycle, stored_cycles
 
 ASSET_VERSION = "1"  # bump when this asset's own logic changes
 CODE_VERSION = f"verified_rewards-{ASSET_VERSION}+" + ",".join(f"{n}={v}" for n, v in verifier_versions().items())

@@ -6,12 +6,12 @@
 2. In the Dagster instance (DAGSTER_HOME = PERPETUA_HOME/dagster), that run's materialization of
    the first of `START_ASSETS` it made is the start of the lineage (normally `deployment`).
 3. From each event, every upstream asset is followed through the tags Dagster wrote on it
-   (`ops.lineage`): the upstream event named by the input event pointer, checked to carry the
+   (`ops.common.lineage`): the upstream event named by the input event pointer, checked to carry the
    recorded input data version (or, when the pointer is unusable, the latest earlier event of
    that asset with that data version). Upstream keys come from the tags, i.e. from the asset
    graph as it was when the run happened; `parents` (the current graph) adds keys the run did
    not record, reported as missing. An event that continued from an earlier event of its own
-   asset (metadata `ops.lineage.CONTINUES_FROM`: a learner step from the previous checkpoint)
+   asset (metadata `ops.common.lineage.CONTINUES_FROM`: a learner step from the previous checkpoint)
    is followed there too, so a model's lineage covers every cycle it learned from.
 Nothing here depends on which assets exist: the walk goes wherever the graph goes.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from ops.lineage import (
+from ops.common.lineage import (
     CODE_VERSION_TAG,
     CONTINUES_FROM,
     DATA_VERSION_TAG,
@@ -42,7 +42,7 @@ START_ASSETS = ("deployment", "eval_report", "policy_checkpoint")
 TAG_DAGSTER_RUN = "perpetua.dagster_run_id"  # registry version tags set by the deployment asset
 TAG_POLICY_VERSION = "perpetua.policy_version"
 TAG_EVAL_DATA_VERSION = "perpetua.eval_data_version"
-MLFLOW_RUN_TAG = "dagster.run_id"  # ops.tracking.TAG_DAGSTER_RUN on MLflow runs
+MLFLOW_RUN_TAG = "dagster.run_id"  # ops.common.tracking.TAG_DAGSTER_RUN on MLflow runs
 _PAGE = 200
 _MAX_SCAN = 100_000  # events of one asset scanned when searching by data version
 
@@ -65,15 +65,15 @@ class ModelVersionRef:
 
 def tracking_uri() -> str:
     """MLFLOW_TRACKING_URI, else the local store PERPETUA_HOME/mlflow."""
-    from ops import tracking
-    from ops.paths import home
+    from ops.common import tracking
+    from ops.common.paths import home
 
     return os.environ.get("MLFLOW_TRACKING_URI") or tracking.local_store(home().mlflow)[0]
 
 
 def project_instance() -> dg.DagsterInstance:
     """The project's Dagster instance (DAGSTER_HOME = PERPETUA_HOME/dagster), opened to read."""
-    from ops.paths import home
+    from ops.common.paths import home
 
     root = home().dagster
     if not (root / "dagster.yaml").exists() and not (root / "storage").exists():
@@ -105,7 +105,7 @@ def resolve_version(
     by the policy version it carries (tag `perpetua.policy_version`; the newest such version)."""
     from mlflow.exceptions import MlflowException
 
-    from ops import tracking
+    from ops.common import tracking
 
     try:
         c = tracking.client(uri)
@@ -143,7 +143,7 @@ def deploying_run_id(uri: str, ref: ModelVersionRef) -> str:
     if ref.mlflow_run_id:
         from mlflow.exceptions import MlflowException
 
-        from ops import tracking
+        from ops.common import tracking
 
         try:
             run_tag = tracking.client(uri).get_run(ref.mlflow_run_id).data.tags.get(MLFLOW_RUN_TAG)
@@ -254,7 +254,7 @@ def walk(
                 else:
                     queue.append((up, hop.asset_key))
         earlier = hop.metadata.get(CONTINUES_FROM)
-        if earlier:  # continued from its own earlier materialization (ops.lineage.CONTINUES_FROM)
+        if earlier:  # continued from its own earlier materialization (ops.common.lineage.CONTINUES_FROM)
             up = _upstream_record(instance, hop.asset_key, str(earlier), None, rec.storage_id)
             if up is None:
                 missing.append(Missing(hop.asset_key, hop.asset_key, str(earlier),

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     # the commands print their own results (and the links are in the Dagster metadata).
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    from ops.quiet import quiet_known_warnings
+    from ops.common.quiet import quiet_known_warnings
 
     quiet_known_warnings()
     parser = argparse.ArgumentParser(prog="perpetua", description=__doc__.splitlines()[0])

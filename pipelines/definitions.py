@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dagster as dg
 
-from ops.quiet import quiet_known_warnings
+from ops.common.quiet import quiet_known_warnings
 
 quiet_known_warnings()  # before the asset modules import megatron-core
 
 import assets  # noqa: E402
-from pipelines import jobs, resources, schedules, sensors  # noqa: E402
+from pipelines import jobs, schedules, sensors  # noqa: E402
+from assets import resources
 
 _assets = dg.load_assets_from_package_module(assets)
 _checks = dg.load_asset_checks_from_package_module(assets)

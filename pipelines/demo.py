@@ -24,12 +24,15 @@ from typing import Callable
 
 from assets.cycle import CYCLE_JOB, CYCLE_TAG, TRIGGER_TAG
 from assets.cycle_run import MLFLOW_STATUS, PARENT_RUN_TAG, cycle_outcome
-from ops import policies, registry, task_world, tracking
-from ops.paths import Home, home
+from ops.policy import versions as policies
+from ops.deploy import registry
+from ops.tasks import task_world
+from ops.common import tracking
+from ops.common.paths import Home, home
 
 
 @dataclass
-class DemoSettings:
+class DemoConfig:
     cycles: int = 3
     traffic_per_cycle: int = 160
     summary: Path | None = None
@@ -43,7 +46,7 @@ class DemoSettings:
 QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
 
 
-def job_run_config(settings: DemoSettings, job: str) -> dict:
+def job_run_config(settings: DemoConfig, job: str) -> dict:
     return {**QUIET_LOGS, **settings.run_config.get(job, {})}
 
 
@@ -152,8 +155,8 @@ def print_failure_rates(rates: list[dict], families: list[str]) -> None:
 def production_traffic(production, champion: str, requests: int, t0: float, t1: float, seed: int) -> dict:
     """A stretch of simulated production traffic against the served champion (traces to landing/)."""
     from ops.rollout.server import ServerEngine
-    from ops.simulator import SimulatorConfig, run_simulation
-    from ops.tokenizer import load_hf_tokenizer
+    from ops.harvest.simulator import SimulatorConfig, run_simulation
+    from ops.policy.tokenizer import load_hf_tokenizer
 
     engine = ServerEngine(f"http://127.0.0.1:{production.port}")
     tokenizer = load_hf_tokenizer(policies.hf_dir(engine.policy_version))
@@ -164,12 +167,14 @@ def production_traffic(production, champion: str, requests: int, t0: float, t1: 
             "failure_rate": {f: v["rate"] for f, v in result.by_family.items()}, "by_family": result.by_family}
 
 
-def run_demo(settings: DemoSettings, log: Callable[[str], None] = print) -> dict:
+def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
     import dagster as dg
 
-    from pipelines import mlflow_server, vllm_server
+    from ops.serving import mlflow_server
+
+    from ops.serving import vllm_server
     from pipelines.definitions import defs
-    from pipelines.resources import for_environment
+    from assets.resources import for_environment
 
     began = time.monotonic()
     for job in ("bootstrap", CYCLE_JOB):  # a config mistake stops the demo before anything starts

@@ -19,14 +19,14 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 def perpetua_home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "perpetua-home"
     monkeypatch.setenv("PERPETUA_HOME", str(home))
-    from ops.paths import home as get_home
+    from ops.common.paths import home as get_home
 
     return get_home().ensure().root
 
 
 @pytest.fixture(scope="session")
 def random_policy_dir(tmp_path_factory) -> Path:
-    from ops.bootstrap import random_policy
+    from ops.policy.bootstrap import random_policy
 
     return random_policy(tmp_path_factory.mktemp("random-policy"), seed=1234, version=None)
 
@@ -34,8 +34,8 @@ def random_policy_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def base_policy_dir(tmp_path_factory) -> Path:
     """A bootstrapped tiny policy (short SFT: follows the episode format, often right)."""
-    from ops.bootstrap import BootstrapConfig, bootstrap_base_policy
-    from ops.sft import SFTConfig
+    from ops.policy.bootstrap import BootstrapConfig, bootstrap_base_policy
+    from ops.policy.sft import SFTConfig
 
     out = tmp_path_factory.mktemp("base-policy")
     cfg = BootstrapConfig(sft=SFTConfig(max_steps=300, eval_every=100, target_success=0.6))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from ops.advantages import AdvantageConfig, GroupAdvantages, group_advantages
+from ops.learn.advantages import AdvantageConfig, GroupAdvantages, group_advantages
 
 # Two groups of G=3.
 #   group 0: [0, 2, 4]  mean 2, centred [-2, 0, 2], Bessel std sqrt((4+0+4)/2) = 2

@@ -17,10 +17,10 @@ import dagster as dg
 import pytest
 from test_harvest import rec  # module-level helper: one production trace record (sub_words tasks)
 
-from ops import tracking
-from ops.lineage import DATA_VERSION_TAG, INPUT_DATA_VERSION_PREFIX, INPUT_EVENT_POINTER_PREFIX
-from ops.paths import home
-from ops.traces import write_traces
+from ops.common import tracking
+from ops.common.lineage import DATA_VERSION_TAG, INPUT_DATA_VERSION_PREFIX, INPUT_EVENT_POINTER_PREFIX
+from ops.common.paths import home
+from ops.harvest.contract import write_traces
 from pipelines import audit as au
 
 KNOWN_VERSIONS = ["1", "2"]
@@ -34,11 +34,11 @@ CYCLE = 1
 def rollouts_standin(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
     """Four training tasks x four scripted episodes (two right, two wrong), tokenized with the
     base policy's tokenizer: a well-formed rollouts table without a vLLM engine."""
-    from ops import tokenizer as tok_lib
-    from ops.tables import ROLLOUTS, table_hash, write_table
-    from ops.task_world import Task, prompt_text, solution_text
-    from ops.training_tasks import current_training_tasks_path, read_training_tasks
-    from ops.verify import rollouts_path
+    from ops.policy import tokenizer as tok_lib
+    from ops.common.tables import ROLLOUTS, table_hash, write_table
+    from ops.tasks.task_world import Task, prompt_text, solution_text
+    from ops.tasks.training_tasks import current_training_tasks_path, read_training_tasks
+    from ops.reward.scoring import rollouts_path
 
     h = home()
     tok = tok_lib.load_hf_tokenizer(h.models / "base" / "tokenizer")
@@ -82,7 +82,7 @@ def eval_report_standin(context: dg.AssetExecutionContext) -> dg.MaterializeResu
 def deployment_standin(context: dg.AssetExecutionContext) -> dg.MaterializeResult:
     """Registers a model dir as a new version of perpetua-policy, with the version tags the
     real deployment asset sets, and makes it the champion."""
-    from ops import registry
+    from ops.deploy import registry
 
     h = home()
     ckpt = context.instance.get_latest_materialization_event(dg.AssetKey("policy_checkpoint"))
@@ -169,7 +169,7 @@ def event_by_storage_id(instance, key: str, storage_id: int):
 def test_audit_walks_a_real_chain_back_to_the_landed_trace_ids(project, capsys):
     from assets.base_policy import CODE_VERSION as BASE_CODE_VERSION, base_policy
     from assets.policy_checkpoint import CODE_VERSION as CKPT_CODE_VERSION
-    from ops.harvest import HARVEST_CODE_VERSION
+    from ops.harvest.harvester import HARVEST_CODE_VERSION
 
     root, instance = project
     boot = dg.materialize([base_policy], instance=instance,
@@ -291,9 +291,9 @@ def test_no_instance_is_a_clear_error(tmp_path, monkeypatch, capsys):
 
 def test_a_model_continued_from_its_previous_checkpoint_is_audited_back_through_every_cycle():
     """Dagster records no input for a self-dependency: a learner step continues from the previous
-    step's checkpoint. The step names that checkpoint's data version (ops.lineage.CONTINUES_FROM)
+    step's checkpoint. The step names that checkpoint's data version (ops.common.lineage.CONTINUES_FROM)
     and the walk follows it, so cycle 2's model reaches cycle 1's batch as well as its own."""
-    from ops.lineage import CONTINUES_FROM
+    from ops.common.lineage import CONTINUES_FROM
 
     @dg.asset(name="batch", config_schema={"cycle": int})
     def batch(context) -> dg.MaterializeResult:

@@ -1,7 +1,7 @@
 import torch
 
-from ops import checkpoint
-from ops.policy_model import PRESETS, build_model, init_single_process, token_logprobs
+from ops.policy import checkpoint
+from ops.policy.model import PRESETS, build_model, init_single_process, token_logprobs
 
 
 def test_save_load_model_optimizer_rng_and_ignore_partials(tmp_path):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ops.cost import (
+from ops.cost.model import (
     Campaign,
     CostError,
     CycleRecord,
@@ -20,7 +20,7 @@ from ops.cost import (
     intelligence_per_dollar,
     stage_dollars,
 )
-from ops.ipd_plot import ipd_figure, save_ipd_plot
+from ops.cost.plot import ipd_figure, save_ipd_plot
 
 SPIN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
 

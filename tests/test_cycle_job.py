@@ -11,13 +11,17 @@ import socket
 
 import dagster as dg
 
-from ops import policies, registry, tracking
-from ops.paths import home
-from ops.task_world import generate_tasks
-from ops.traces import write_traces
-from pipelines import vllm_server
+from ops.policy import versions as policies
+
+from ops.deploy import registry
+
+from ops.common import tracking
+from ops.common.paths import home
+from ops.tasks.task_world import generate_tasks
+from ops.harvest.contract import write_traces
+from ops.serving import vllm_server
 from pipelines.definitions import defs
-from pipelines.resources import MlflowTracking, PolicyServer
+from assets.resources import MlflowTracking, PolicyServer
 
 
 def _port() -> int:

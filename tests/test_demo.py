@@ -84,9 +84,10 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
     # What Dagster and MLflow recorded, read back after every server has stopped.
     import dagster as dg
 
-    from ops import tracking
-    from ops.paths import Home
-    from pipelines import mlflow_server, vllm_server
+    from ops.common import tracking
+    from ops.common.paths import Home
+    from ops.serving import mlflow_server
+    from ops.serving import vllm_server
 
     h = Home(home)
     assert mlflow_server.status(h) is None

@@ -7,8 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from ops.deploy_gate import GateConfig, decide
-from ops.eval_stats import TaskSamples, score_set
+from ops.evaluate.gate import GateConfig, decide
+from ops.evaluate.statistics import TaskSamples, score_set
 
 
 def scores(name: str, passed_by_family: dict[str, tuple[int, int]], prefix: str | None = None):

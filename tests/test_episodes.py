@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ops import task_world
+from ops.tasks import task_world
 from ops.rollout.engine import (
     EngineFailure,
     EngineUnavailable,
@@ -16,14 +16,14 @@ from ops.rollout.engine import (
     TurnRequest,
     TurnResult,
 )
-from ops.rollout.episodes import EpisodeRunner, EpisodeSettings
+from ops.rollout.episodes import EpisodeRunner, EpisodeConfig
 from ops.rollout.groups import SamplingConfig, generate_groups, rollouts_table, sample_seed
-from ops.tables import ROLLOUTS
+from ops.common.tables import ROLLOUTS
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    from ops import tokenizer as tok_lib
+    from ops.policy import tokenizer as tok_lib
 
     out = tmp_path_factory.mktemp("tok")
     tok_lib.save_hf_tokenizer(tok_lib.train_tokenizer(512), out)
@@ -152,7 +152,7 @@ def test_tool_failure_is_recorded_not_raised(tokenizer):
 
     engine = ScriptedEngine(tokenizer, solver)
     runner = EpisodeRunner(engine, tokenizer, tool=broken_tool)
-    (ep,) = runner.run([runner.new_episode(TASKS[0], 0, 1)], EpisodeSettings())
+    (ep,) = runner.run([runner.new_episode(TASKS[0], 0, 1)], EpisodeConfig())
     assert ep.finish_reason == "env_error" and "sandbox unavailable" in ep.error
     assert ep.tool_calls[0].error and sum(ep.loss_mask) == len(ep.completion_ids)  # the CALL tokens are kept
 

@@ -13,10 +13,12 @@ import pytest
 
 from assets.deployment import deployment
 from assets.eval_report import deploy_gate, eval_report
-from ops import policies, registry, tracking
-from ops.paths import home
-from pipelines import vllm_server
-from pipelines.resources import MlflowTracking, PolicyServer
+from ops.policy import versions as policies
+from ops.deploy import registry
+from ops.common import tracking
+from ops.common.paths import home
+from ops.serving import vllm_server
+from assets.resources import MlflowTracking, PolicyServer
 
 EVAL = {"target_per_family": 8, "guard_per_family": 8, "production_tasks": 8}
 

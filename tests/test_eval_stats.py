@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from ops.eval_stats import (
+from ops.evaluate.statistics import (
     EvalStatsError,
     TaskSamples,
     difference_interval,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from ops.grpo_loss import LossConfig, LossStats, entropy_from_logits, grpo_loss
+from ops.learn.loss import LossConfig, LossStats, entropy_from_logits, grpo_loss
 
 C = -1.0  # an arbitrary base log-prob; only differences matter
 NO_TIS = LossConfig(tis_cap=None)  # clip 0.2 / 0.28, token level, token-mean

@@ -13,14 +13,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ops import harvest as hv
-from ops.harvest import ConservationError, HarvestCounts, HarvestSettings, harvest, read_failures
-from ops.paths import home
-from ops.task_world import generate_tasks, normalize_question
-from ops.traces import TRACES, TRACES_JSON, write_traces
+from ops.harvest import harvester as hv
+from ops.harvest.harvester import ConservationError, HarvestCounts, HarvestConfig, harvest, read_failures
+from ops.common.paths import home
+from ops.tasks.task_world import generate_tasks, normalize_question
+from ops.harvest.contract import TRACES, TRACES_JSON, write_traces
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = HarvestSettings(known_model_versions=frozenset({"1", "2"}), max_record_bytes=2048)
+SETTINGS = HarvestConfig(known_model_versions=frozenset({"1", "2"}), max_record_bytes=2048)
 TASKS = generate_tasks("sub_words", 40, seed=3)
 
 
@@ -257,8 +257,8 @@ def test_concurrent_harvests_take_each_trace_once(perpetua_home):
     for k in range(4):
         write_traces([rec(100 * k + i) for i in range(50)], home().landing)
     code = (
-        "import json; from ops.harvest import harvest, HarvestSettings; "
-        "r = harvest(HarvestSettings(known_model_versions=frozenset({'1', '2'}))); print(json.dumps(r.counts.to_dict()))"
+        "import json; from ops.harvest.harvester import harvest, HarvestConfig; "
+        "r = harvest(HarvestConfig(known_model_versions=frozenset({'1', '2'}))); print(json.dumps(r.counts.to_dict()))"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT) for _ in range(2)]
@@ -306,7 +306,7 @@ def pq_hash(path: str) -> str:
 
 
 def test_bench_small():
-    from ops.bench_harvest import run_bench
+    from ops.bench.harvest import run_bench
 
     result = run_bench(n=20_000, malformed_n=0, threaded_baseline=False)
     assert result["name"] == "harvest" and result["ratio"] > 0

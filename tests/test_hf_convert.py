@@ -3,8 +3,12 @@ import json
 import pytest
 import torch
 
-from ops import checkpoint, hf_convert, tokenizer as tok_lib
-from ops.policy_model import PRESETS, PolicyConfig, build_model, init_single_process, token_logprobs
+from ops.policy import checkpoint
+
+from ops.policy import hf_convert
+
+from ops.policy import tokenizer as tok_lib
+from ops.policy.model import PRESETS, PolicyConfig, build_model, init_single_process, token_logprobs
 
 GQA = PolicyConfig(name="gqa", vocab_size=512, hidden_size=256, num_layers=2, num_attention_heads=4,
                    num_query_groups=2, head_dim=64, moe_ffn_hidden_size=128, num_experts=4, moe_router_topk=2)

@@ -7,10 +7,10 @@ import pyarrow as pa
 import pytest
 import torch
 
-from ops.advantages import AdvantageConfig, group_advantages
-from ops.learner.batch import BatchError, build_training_batch, read_batch_tables, synthetic_tables
-from ops.sequences import collate
-from ops.tables import REWARDS, ROLLOUTS, write_table
+from ops.learn.advantages import AdvantageConfig, group_advantages
+from ops.learn.batch import BatchError, build_training_batch, read_batch_tables, synthetic_tables
+from ops.policy.sequences import collate
+from ops.common.tables import REWARDS, ROLLOUTS, write_table
 
 
 def _replace(table: pa.Table, row: int, **values) -> pa.Table:

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ops.bootstrap import random_policy
+from ops.policy.bootstrap import random_policy
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def write_job(root: Path, base_hf: Path, rollouts: Path, rewards: Path, expert_parallel: int) -> Path:
-    from ops.learner.config import LearnerConfig, LearnerJob
+    from ops.learn.config import LearnerConfig, LearnerJob
 
     job = LearnerJob(
         learner=LearnerConfig(lr=1e-3, micro_batch_size=4, updates_per_step=2, expert_parallel=expert_parallel),
@@ -43,12 +43,12 @@ def write_job(root: Path, base_hf: Path, rollouts: Path, rewards: Path, expert_p
 
 
 def test_expert_parallel_step_matches_single_process(tmp_path):
-    from ops.checkpoint import latest_complete, load_model_tensors
-    from ops.hf_convert import load_hf_tensors
-    from ops.learner.batch import synthetic_tables
-    from ops.learner.config import LearnerJob
-    from ops.learner.main import init_world, run_job
-    from ops.tables import REWARDS, ROLLOUTS, write_table
+    from ops.policy.checkpoint import latest_complete, load_model_tensors
+    from ops.policy.hf_convert import load_hf_tensors
+    from ops.learn.batch import synthetic_tables
+    from ops.learn.config import LearnerJob
+    from ops.learn.main import init_world, run_job
+    from ops.common.tables import REWARDS, ROLLOUTS, write_table
 
     base = random_policy(tmp_path / "base", seed=1234)
     ro, rw = synthetic_tables(6, 4, all_equal_groups=1, seed=3)
@@ -59,7 +59,7 @@ def test_expert_parallel_step_matches_single_process(tmp_path):
     job_ep = write_job(tmp_path / "ep2", base, tmp_path / "rollouts.parquet", tmp_path / "rewards.parquet", 2)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "-m", "ops.learner.main", "--config", str(job_ep)],
+                           "-m", "ops.learn.main", "--config", str(job_ep)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ep = json.loads((tmp_path / "ep2" / "result.json").read_text())
@@ -92,8 +92,8 @@ def test_expert_parallel_step_matches_single_process(tmp_path):
     assert ckpt is not None and ckpt.name == "step-000001"
     full = load_model_tensors(ckpt)
     experts = {k for k in full if ".mlp.experts.local_experts." in k}
-    from ops.hf_convert import megatron_to_hf
-    from ops.policy_model import PRESETS
+    from ops.policy.hf_convert import megatron_to_hf
+    from ops.policy.model import PRESETS
 
     tiny = PRESETS["tiny"]
     assert len(experts) == tiny.num_layers * tiny.num_experts * 2  # fc1 and fc2 of every expert

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ops.bootstrap import random_policy
+from ops.policy.bootstrap import random_policy
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def job_for(home: Path, base: Path, data: Path, cycle: int):
-    from ops.learner.config import LearnerConfig, LearnerJob
+    from ops.learn.config import LearnerConfig, LearnerJob
 
     return LearnerJob(
         learner=LearnerConfig(lr=1e-3, micro_batch_size=8, updates_per_step=2),
@@ -33,7 +33,7 @@ def job_for(home: Path, base: Path, data: Path, cycle: int):
 
 def run_process(job, path: Path, **env) -> subprocess.CompletedProcess:
     path.write_text(job.model_dump_json())
-    return subprocess.run([sys.executable, "-m", "ops.learner.main", "--config", str(path)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "ops.learn.main", "--config", str(path)], cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO), **env}, capture_output=True, text=True, timeout=300)
 
 
@@ -53,10 +53,10 @@ def all_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def test_killed_step_resumes_from_last_complete_checkpoint(tmp_path):
-    from ops.checkpoint import latest_complete, meta
-    from ops.learner.batch import synthetic_tables
-    from ops.learner.main import CRASH_AFTER_UPDATE, CRASH_BEFORE_COMMIT, CRASH_EXIT_CODE, init_world, run_job
-    from ops.tables import REWARDS, ROLLOUTS, write_table
+    from ops.policy.checkpoint import latest_complete, meta
+    from ops.learn.batch import synthetic_tables
+    from ops.learn.main import CRASH_AFTER_UPDATE, CRASH_BEFORE_COMMIT, CRASH_EXIT_CODE, init_world, run_job
+    from ops.common.tables import REWARDS, ROLLOUTS, write_table
 
     base = random_policy(tmp_path / "base", seed=99)
     data = tmp_path / "data"
@@ -100,7 +100,7 @@ def test_killed_step_resumes_from_last_complete_checkpoint(tmp_path):
     assert a.keys() == b.keys() and any(k.endswith("/exp_avg_sq") for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:5]
     assert meta(resumed / "learner" / "step-000002")["optimizer_updates"] == 4
-    from ops.hf_convert import load_hf_tensors
+    from ops.policy.hf_convert import load_hf_tensors
 
     ha, hb = load_hf_tensors(Path(r2["hf_dir"])), load_hf_tensors(Path(again["hf_dir"]))
     assert all(torch.equal(ha[k], hb[k]) for k in ha)
@@ -117,7 +117,7 @@ def test_killed_step_resumes_from_last_complete_checkpoint(tmp_path):
 def test_bad_job_is_a_clear_error_without_traceback(tmp_path):
     bad = tmp_path / "job.json"
     bad.write_text('{"rollouts": []}')
-    p = subprocess.run([sys.executable, "-m", "ops.learner.main", "--config", str(bad)], cwd=REPO,
+    p = subprocess.run([sys.executable, "-m", "ops.learn.main", "--config", str(bad)], cwd=REPO,
                        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "bad job file" in p.stderr and "Traceback" not in p.stderr

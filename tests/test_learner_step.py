@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from ops.grpo_loss import LossConfig
-from ops.learner.batch import TrainingBatch, build_training_batch, synthetic_tables, with_behaviour_logprobs
-from ops.learner.config import LearnerConfig
-from ops.learner.step import Learner, LearnerError, plan_micro_batches
-from ops.policy_model import PRESETS, init_single_process
+from ops.learn.loss import LossConfig
+from ops.learn.batch import TrainingBatch, build_training_batch, synthetic_tables, with_behaviour_logprobs
+from ops.learn.config import LearnerConfig
+from ops.learn.step import Learner, LearnerError, plan_micro_batches
+from ops.policy.model import PRESETS, init_single_process
 
 TINY = PRESETS["tiny"]
 
@@ -73,7 +73,7 @@ def test_load_balancing_loss_is_active_in_backward():
     layers), never the last layer's experts or the output layer. Without the aux loss nothing moves."""
     cfg = LearnerConfig(lr=1e-3, micro_batch_size=8)
     rollouts, rewards = synthetic_tables(3, 4, all_equal_groups=3, seed=1)
-    from ops.advantages import AdvantageConfig
+    from ops.learn.advantages import AdvantageConfig
 
     no_filter = cfg.model_copy(update={"advantage": AdvantageConfig(filter_all_equal=False)})
     batch = build_training_batch(rollouts, rewards, no_filter.advantage)
@@ -126,7 +126,7 @@ def test_several_updates_keep_logp_old_from_the_start_of_the_step():
 
 
 def test_kl_penalty_against_a_reference_policy(tmp_path):
-    from ops import hf_convert
+    from ops.policy import hf_convert
 
     learner = Learner(TINY, LearnerConfig(micro_batch_size=12))
     ref_dir = hf_convert.export_hf(TINY, learner.state_dict(), tmp_path / "ref")
@@ -141,7 +141,7 @@ def test_kl_penalty_against_a_reference_policy(tmp_path):
 
 def test_micro_batch_plan_under_data_parallelism():
     rollouts, rewards = synthetic_tables(7, 1, seed=8)
-    from ops.advantages import AdvantageConfig
+    from ops.learn.advantages import AdvantageConfig
 
     samples = build_training_batch(rollouts, rewards, AdvantageConfig(filter_all_equal=False)).samples
     assert len(samples) == 7

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ops.harvest import HarvestSettings, MlflowTraceSource, harvest, read_failures
-from ops.task_world import calc, generate_tasks
+from ops.harvest.harvester import HarvestConfig, MlflowTraceSource, harvest, read_failures
+from ops.tasks.task_world import calc, generate_tasks
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_error_and_negative_feedback_traces_are_harvested(perpetua_home, mlflow_
     mlflow.log_feedback(trace_id=liked, name="user_feedback", value=True)
     mlflow.flush_trace_async_logging()
 
-    settings = HarvestSettings(
+    settings = HarvestConfig(
         known_model_versions=frozenset({"1"}), mlflow=MlflowTraceSource(tracking_uri=mlflow_store, experiment_names=["production"])
     )
     first = harvest(settings)

@@ -13,9 +13,11 @@ import pytest
 
 
 def make_base_policy(home: Path) -> Path:
-    """models/base as ops.bootstrap writes it (hf/ and checkpoint/), with random weights."""
-    from ops import checkpoint, hf_convert, tokenizer as tok_lib
-    from ops.policy_model import PRESETS, build_model, init_single_process
+    """models/base as ops.policy.bootstrap writes it (hf/ and checkpoint/), with random weights."""
+    from ops.policy import checkpoint
+    from ops.policy import hf_convert
+    from ops.policy import tokenizer as tok_lib
+    from ops.policy.model import PRESETS, build_model, init_single_process
 
     cfg = PRESETS["tiny"]
     base = home / "models" / "base"
@@ -29,9 +31,9 @@ def make_base_policy(home: Path) -> Path:
 
 
 def write_cycle(home: Path, cycle: int) -> None:
-    from ops.learner.batch import synthetic_tables
-    from ops.tables import REWARDS, ROLLOUTS, write_table
-    from ops.verify import rewards_path, rollouts_path
+    from ops.learn.batch import synthetic_tables
+    from ops.common.tables import REWARDS, ROLLOUTS, write_table
+    from ops.reward.scoring import rewards_path, rollouts_path
 
     ro, rw = synthetic_tables(4, 4, all_equal_groups=1, seed=cycle, cycle=cycle, policy_version=cycle - 1)
     write_table(ro, ROLLOUTS, rollouts_path(home / "data", cycle))
@@ -40,8 +42,8 @@ def write_cycle(home: Path, cycle: int) -> None:
 
 def test_policy_checkpoint_materializes_through_pipes(perpetua_home):
     from assets.policy_checkpoint import policy_checkpoint
-    from ops import tracking
-    from ops.checkpoint import latest_complete
+    from ops.common import tracking
+    from ops.policy.checkpoint import latest_complete
 
     make_base_policy(perpetua_home)
     write_cycle(perpetua_home, 1)
@@ -94,8 +96,8 @@ def test_policy_checkpoint_materializes_through_pipes(perpetua_home):
         md2 = {k: v.value for k, v in mat2.metadata.items()}
         assert (md2["policy_version"], md2["parent_policy_version"], md2["world_size"]) == (2, 1, 1)
         assert md2["optimizer_updates"] == 4
-        # It names the materialization it continued from, for the audit (ops.lineage.CONTINUES_FROM).
-        from ops.lineage import CONTINUES_FROM
+        # It names the materialization it continued from, for the audit (ops.common.lineage.CONTINUES_FROM).
+        from ops.common.lineage import CONTINUES_FROM
 
         assert md2[CONTINUES_FROM] == mat.tags["dagster/data_version"] and CONTINUES_FROM not in md
         assert sorted(m.step for m in client.get_metric_history(md2["mlflow_run_id"], "loss")) == [3, 4]

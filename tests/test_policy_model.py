@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from ops import megatron_cpu
-from ops.policy_model import PRESETS, PolicyConfig, build_model, init_single_process, token_logprobs
+from ops.policy import megatron_cpu
+from ops.policy.model import PRESETS, PolicyConfig, build_model, init_single_process, token_logprobs
 
 
 def test_presets_have_the_published_sizes():
@@ -44,7 +44,7 @@ def test_cpu_adaptations_are_inactive_on_cuda(monkeypatch):
 def test_sdpa_core_attention_matches_reference_gqa():
     cfg = PolicyConfig(name="t", vocab_size=8, hidden_size=16, num_layers=1, num_attention_heads=4,
                        num_query_groups=2, head_dim=4, moe_ffn_hidden_size=8, num_experts=2, moe_router_topk=2)
-    from ops.policy_model import transformer_config
+    from ops.policy.model import transformer_config
 
     attn = megatron_cpu.SDPACoreAttention(transformer_config(cfg), 1, None, None)
     s, b = 5, 2

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from ops import registry
-from ops.registry import CHAMPION, PREVIOUS, DeployError, RegistryError
-from ops.tracking import client, local_store, stage_run, start_cycle_run
+from ops.deploy import registry
+from ops.deploy.registry import CHAMPION, PREVIOUS, DeployError, RegistryError
+from ops.common.tracking import client, local_store, stage_run, start_cycle_run
 
 NAME = "perpetua-policy"
 

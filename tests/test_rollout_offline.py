@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ops import task_world
-from ops.bench_rollout import perturbed_copy
-from ops import tokenizer as tok_lib
+from ops.tasks import task_world
+from ops.bench.rollout import perturbed_copy
+from ops.policy import tokenizer as tok_lib
 from ops.rollout.engine import RefitError, StalePolicyError, TurnRequest
 from ops.rollout.groups import SamplingConfig, generate_groups, rollouts_table
-from ops.tables import ROLLOUTS
+from ops.common.tables import ROLLOUTS
 
 TASKS = [t for fam in ("add", "sub", "mul", "sub_words") for t in task_world.generate_tasks(fam, 2, seed=11)]
 
@@ -63,7 +63,7 @@ def tokenizer(base_policy_dir):
 def engine(base_policy_dir):
     from ops.rollout.engine import RetryPolicy
     from ops.rollout.offline import OfflineEngine
-    from ops.vllm_engine import EngineConfig
+    from ops.rollout.vllm_engine import EngineConfig
 
     eng = OfflineEngine(base_policy_dir, EngineConfig(max_num_seqs=64), retry=RetryPolicy(max_retries=1, timeout_s=180))
     yield eng

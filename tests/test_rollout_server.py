@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ops import task_world
-from ops.bench_rollout import perturbed_copy
-from ops import tokenizer as tok_lib
-from ops.paths import Home
+from ops.tasks import task_world
+from ops.bench.rollout import perturbed_copy
+from ops.policy import tokenizer as tok_lib
+from ops.common.paths import Home
 from ops.rollout.engine import EngineStartError, StalePolicyError
 from ops.rollout.groups import SamplingConfig, generate_groups, rollouts_table
-from ops.tables import ROLLOUTS
-from pipelines import vllm_server
+from ops.common.tables import ROLLOUTS
+from ops.serving import vllm_server
 
 TASKS = [t for fam in ("add", "sub", "mul_words") for t in task_world.generate_tasks(fam, 2, seed=21)]
 
@@ -54,7 +54,7 @@ def home(tmp_path_factory) -> Home:
 
 @pytest.fixture(scope="module")
 def server(home, base_policy_dir):
-    from ops.vllm_engine import EngineConfig
+    from ops.rollout.vllm_engine import EngineConfig
 
     port = _free_port()
     info = vllm_server.start(base_policy_dir, EngineConfig(max_num_seqs=32), port=port, h=home)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ops import sandbox as sandbox_mod
-from ops.sandbox import Limits, Outcome, Sandbox, bwrap_status
+from ops.reward import sandbox as sandbox_mod
+from ops.reward.sandbox import Limits, Outcome, Sandbox, bwrap_status
 
 HAS_BWRAP = bwrap_status()[0]
 

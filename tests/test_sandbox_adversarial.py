@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ops.sandbox import Limits, Outcome, Sandbox, bwrap_status
+from ops.reward.sandbox import Limits, Outcome, Sandbox, bwrap_status
 
 pytestmark = pytest.mark.skipif(not bwrap_status()[0], reason=f"bubblewrap not usable: {bwrap_status()[1]}")
 
@@ -175,7 +175,7 @@ def test_killing_the_parent_and_everything_else_hits_only_the_sandbox(sb):
 
 
 def _swe(patch_name: str):
-    from ops.verifiers.swe import SweTask, verify_patch
+    from ops.reward.verifiers.swe import SweTask, verify_patch
 
     task = SweTask.from_record(json.loads((FIXTURE / "task.json").read_text()), FIXTURE)
     return verify_patch(task, (FIXTURE / "patches" / patch_name).read_text(), Sandbox())

@@ -9,9 +9,9 @@ import dagster as dg
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ops.paths import home
-from ops.task_world import generate_tasks
-from ops.traces import TRACES, TraceRecord, write_traces
+from ops.common.paths import home
+from ops.tasks.task_world import generate_tasks
+from ops.harvest.contract import TRACES, TraceRecord, write_traces
 from pipelines.schedules import SCHEDULES, harvest_schedule, nightly_eval_schedule, schedules_for
 from pipelines.sensors import SENSORS, make_retraining_sensor, retraining_sensor, sensors_for
 
@@ -136,8 +136,8 @@ def _cycle_like_job(kind: str) -> dg.JobDefinition:
 
 def test_closing_sensors_end_the_cycle_mlflow_run_by_outcome(tmp_path):
     from assets.cycle_run import PARENT_RUN_TAG
-    from ops import tracking
-    from pipelines.resources import MlflowTracking
+    from ops.common import tracking
+    from assets.resources import MlflowTracking
     from pipelines.sensors import RUN_STATUS_SENSORS, cycle_mlflow_run_on_failure, cycle_mlflow_run_on_success
 
     assert set(sensors_for(["perpetua_cycle"])) >= set(RUN_STATUS_SENSORS) and not set(sensors_for(["harvest"])) & set(RUN_STATUS_SENSORS)

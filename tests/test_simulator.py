@@ -10,9 +10,11 @@ import socket
 
 import pytest
 
-from ops import task_world, traces
-from ops.paths import Home
-from ops.simulator import Traffic, failure_rates
+from ops.tasks import task_world
+
+from ops.harvest import contract as traces
+from ops.common.paths import Home
+from ops.harvest.simulator import Traffic, failure_rates
 
 
 def _free_port() -> int:
@@ -43,7 +45,7 @@ def test_failure_rates_by_window():
 
 
 def test_simulate_command_against_real_server(perpetua_home, base_policy_dir, capsys):
-    from pipelines import vllm_server
+    from ops.serving import vllm_server
     from pipelines.cli import main
 
     port = _free_port()

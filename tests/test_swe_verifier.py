@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ops.sandbox import Outcome, Sandbox
-from ops.verifiers.swe import BadTask, SweTask, is_protected, junit_address, verify_patch
+from ops.reward.sandbox import Outcome, Sandbox
+from ops.reward.verifiers.swe import BadTask, SweTask, is_protected, junit_address, verify_patch
 
 FIXTURE = Path(__file__).parent / "fixtures" / "swe_repo"
 TASK = json.loads((FIXTURE / "task.json").read_text())
@@ -98,7 +98,7 @@ def test_symlink_out_of_the_repo_is_a_violation(task, sb):
 
 
 def test_rollout_form_through_verify_rollouts(sb):
-    from ops.verify import verify_rollouts
+    from ops.reward.scoring import verify_rollouts
 
     record = {**TASK, "task_id": "wordstat-1", "repo_root": str(FIXTURE),
               "fail_to_pass": json.dumps(TASK["fail_to_pass"])}  # as a JSON string, the way Parquet may store it

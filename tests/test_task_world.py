@@ -1,6 +1,6 @@
 import pytest
 
-from ops import task_world as tw
+from ops.tasks import task_world as tw
 
 
 def test_calc_semantics():

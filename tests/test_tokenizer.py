@@ -1,5 +1,5 @@
-from ops import task_world as tw
-from ops import tokenizer as tok_lib
+from ops.tasks import task_world as tw
+from ops.policy import tokenizer as tok_lib
 
 
 def test_tokenizer_keeps_turn_boundaries(tmp_path):

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import BaseModel
 
-from ops.traces import TRACES, TRACES_JSON, TraceRecord, validate_json_line, validate_record, write_traces
+from ops.harvest.contract import TRACES, TRACES_JSON, TraceRecord, validate_json_line, validate_record, write_traces
 
 
 def record(i: int = 0, **overrides) -> dict:
@@ -41,7 +41,7 @@ def _fields(model: type[BaseModel]) -> list[str]:
 def test_arrow_schema_mirrors_the_pydantic_model():
     assert TRACES.names == _fields(TraceRecord) == TRACES_JSON.names
     nested = {"messages": "Message", "tool_calls": "ToolCall", "feedback": "Feedback", "usage": "TokenUsage", "task": "TaskRef"}
-    import ops.traces as tr
+    import ops.harvest.contract as tr
 
     for name, model_name in nested.items():
         arrow_type = TRACES.field(name).type

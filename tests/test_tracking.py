@@ -7,11 +7,11 @@ import socket
 
 import pytest
 
-from ops.cost import Campaign, CycleRecord, PriceTable, StageCost, cycle_cost
-from ops.ipd_plot import ipd_figure
-from ops.paths import Home
-from ops.tables import REWARDS, table_hash, write_table
-from ops.tracking import (
+from ops.cost.model import Campaign, CycleRecord, PriceTable, StageCost, cycle_cost
+from ops.cost.plot import ipd_figure
+from ops.common.paths import Home
+from ops.common.tables import REWARDS, table_hash, write_table
+from ops.common.tracking import (
     TAG_PARENT,
     RunLog,
     TrackingError,
@@ -170,7 +170,7 @@ def _free_port() -> int:
 
 @pytest.mark.timeout(240)
 def test_mlflow_server_starts_serves_reuses_and_stops(tmp_path):
-    from pipelines import mlflow_server
+    from ops.serving import mlflow_server
 
     h = Home(tmp_path / "home")
     port = _free_port()

@@ -9,12 +9,12 @@ import dagster as dg
 import pyarrow.parquet as pq
 import pytest
 
-from ops.harvest import HarvestSettings, harvest, read_failures
-from ops.paths import home
-from ops.task_world import BOOTSTRAP_FAMILIES, FAMILIES, calc, generate_tasks
-from ops.traces import write_traces
-from ops.training_tasks import (
-    TrainingTaskSettings,
+from ops.harvest.harvester import HarvestConfig, harvest, read_failures
+from ops.common.paths import home
+from ops.tasks.task_world import BOOTSTRAP_FAMILIES, FAMILIES, calc, generate_tasks
+from ops.harvest.contract import write_traces
+from ops.tasks.training_tasks import (
+    TrainingTaskConfig,
     build_and_write_training_tasks,
     build_training_tasks,
     ground_truth,
@@ -25,7 +25,7 @@ from ops.training_tasks import (
     training_tasks_version,
 )
 
-SETTINGS = HarvestSettings(known_model_versions=frozenset({"1"}))
+SETTINGS = HarvestConfig(known_model_versions=frozenset({"1"}))
 
 
 def failure(i: int, task, **overrides) -> dict:
@@ -120,7 +120,7 @@ def test_replay_mixes_earlier_tasks_and_retries_are_idempotent(perpetua_home):
     assert pq.read_table(first_path).schema.metadata[b"perpetua.harvest_generation"] == b"1"
 
     land_failures(generate_tasks("sub_words", 50, seed=4), start=1000)
-    second, _ = build_and_write_training_tasks(read_failures(), TrainingTaskSettings(min_replay=20, bootstrap_share=0.5))
+    second, _ = build_and_write_training_tasks(read_failures(), TrainingTaskConfig(min_replay=20, bootstrap_share=0.5))
     rows = second.table.to_pylist()
     new = {r["task_id"] for r in rows if r["source"] == "failure" and r["split"] == "train"}
     previous = [r for r in rows if r["source"] == "replay_previous"]
@@ -162,6 +162,6 @@ def test_assets_materialize_with_lineage(perpetua_home, monkeypatch):
 @pytest.mark.parametrize("fraction", [0.0, 0.5])
 def test_heldout_fraction_is_respected(perpetua_home, fraction):
     land_failures(generate_tasks("add_words", 80, seed=6))
-    task_set = build_training_tasks(read_failures(), settings=TrainingTaskSettings(heldout_fraction=fraction))
+    task_set = build_training_tasks(read_failures(), settings=TrainingTaskConfig(heldout_fraction=fraction))
     held = task_set.counts["heldout"]
     assert held == 0 if fraction == 0.0 else 20 < held < 60

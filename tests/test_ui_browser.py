@@ -92,7 +92,7 @@ def harvested(perpetua_home, monkeypatch):
     import dagster as dg
     from test_harvest import rec  # module-level helper: one production trace record
 
-    from ops.traces import write_traces
+    from ops.harvest.contract import write_traces
     from pipelines.commands.harvest import run_harvest
 
     dagster_home = perpetua_home / "dagster"

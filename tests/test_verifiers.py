@@ -14,13 +14,13 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from ops import verifiers
-from ops.sandbox import Limits, Outcome, Sandbox
-from ops.tables import REWARDS, ROLLOUTS, read_table, table_hash, write_table
-from ops.task_world import Task, generate_tasks, make_task, prompt_text, solution_text
-from ops.verifiers import Verification, VerifyItem, get_verifier, register_verifier, verifier_versions
-from ops.verifiers.calculator import parse_episode
-from ops.verify import group_statistics, verify_rollouts
+from ops.reward import verifiers
+from ops.reward.sandbox import Limits, Outcome, Sandbox
+from ops.common.tables import REWARDS, ROLLOUTS, read_table, table_hash, write_table
+from ops.tasks.task_world import Task, generate_tasks, make_task, prompt_text, solution_text
+from ops.reward.verifiers import Verification, VerifyItem, get_verifier, register_verifier, verifier_versions
+from ops.reward.verifiers.calculator import parse_episode
+from ops.reward.scoring import group_statistics, verify_rollouts
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_register_a_function_verifier_and_use_it_from_a_task(sb):
 
 def test_entry_point_verifiers_are_loaded(tmp_path, monkeypatch):
     (tmp_path / "my_plugin_verifiers.py").write_text(textwrap.dedent("""
-        from ops.verifiers import Verification, register_verifier
+        from ops.reward.verifiers import Verification, register_verifier
 
         @register_verifier("plugin-always-one", "3")
         def always_one(item, sandbox):
@@ -247,7 +247,7 @@ def _store_cycle(home: Path, cycle: int) -> tuple[list[Task], pa.Table]:
 
 
 def test_score_a_stored_rollouts_table(perpetua_home, sb):
-    from ops.verify import load_ground_truth, score_cycle
+    from ops.reward.scoring import load_ground_truth, score_cycle
 
     tasks, _ = _store_cycle(perpetua_home, 3)
     assert set(load_ground_truth(perpetua_home / "data")) == {t.task_id for t in tasks}
@@ -319,7 +319,7 @@ def test_rescore_command_direct_and_through_dagster(perpetua_home, monkeypatch, 
 
 
 def test_bench_verify_reports_a_ratio_against_the_serial_baseline():
-    from ops.bench_verify import run_bench
+    from ops.bench.verify import run_bench
 
     b = run_bench(n_episodes=6, n_swe=1, repeats=1)
     assert b["name"] == "verify" and b["ratio"] > 0

@@ -7,7 +7,7 @@ Every live episode's next turn goes into one engine call, so the engine batches 
 Token-exact by construction: the next turn's prompt is the previous prompt ids plus the
 sampled ids plus the tool line's ids (tokenized on its own, no special tokens). Model output is
 never decoded and re-encoded; text is decoded only to parse an action. The newline is a token
-of its own (ops.tokenizer), so a turn ends exactly at it (a stop token).
+of its own (ops.policy.tokenizer), so a turn ends exactly at it (a stop token).
 
 An episode ends with finish_reason
     answer          an ANSWER line (the answer may still be wrong: the verifier decides)
@@ -27,9 +27,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ops import task_world
+from ops.tasks import task_world
 from ops.rollout.engine import RolloutEngine, TurnRequest, TurnResult
-from ops.tokenizer import newline_id
+from ops.policy.tokenizer import newline_id
 
 Tool = Callable[[str], str]  # expression -> the RESULT line (with its newline)
 
@@ -86,7 +86,7 @@ class Episode:
 
 
 @dataclass(frozen=True)
-class EpisodeSettings:
+class EpisodeConfig:
     """Sampling of one episode; `max_tokens` bounds all completion tokens (model + tool)."""
 
     temperature: float = 1.0
@@ -115,7 +115,7 @@ class EpisodeRunner:
         text = task_world.prompt_text(task)
         return Episode(task, sample_index, seed, self.tokenizer.encode(text), text)
 
-    def run(self, episodes: list[Episode], settings: EpisodeSettings, require_version: int | None = None) -> list[Episode]:
+    def run(self, episodes: list[Episode], settings: EpisodeConfig, require_version: int | None = None) -> list[Episode]:
         """Advance every episode to its end, one batched engine call per turn."""
         live = [ep for ep in episodes if not ep.done]
         while live:
@@ -134,7 +134,7 @@ class EpisodeRunner:
             live = [ep for ep in live if not ep.done]
         return episodes
 
-    def _next_request(self, ep: Episode, settings: EpisodeSettings) -> TurnRequest | None:
+    def _next_request(self, ep: Episode, settings: EpisodeConfig) -> TurnRequest | None:
         if ep.turns >= task_world.MAX_TURNS:
             ep.finish("max_turns")
             return None
@@ -152,7 +152,7 @@ class EpisodeRunner:
             top_p=settings.top_p, seed=turn_seed(ep.seed, ep.turns), stop_token_ids=self.stop_ids,
         )  # fmt: skip
 
-    def _apply(self, ep: Episode, res: TurnResult, settings: EpisodeSettings) -> None:
+    def _apply(self, ep: Episode, res: TurnResult, settings: EpisodeConfig) -> None:
         if res.finish_reason == "error":
             ep.finish("engine_error", res.error or "the engine rejected the request")
             return
@@ -182,7 +182,7 @@ class EpisodeRunner:
         else:
             self._call_tool(ep, action.argument, settings)
 
-    def _call_tool(self, ep: Episode, expression: str, settings: EpisodeSettings) -> None:
+    def _call_tool(self, ep: Episode, expression: str, settings: EpisodeConfig) -> None:
         try:
             result_line = self.tool(expression)
             if not (result_line.startswith(task_world.RESULT_PREFIX) and result_line.endswith("\n")):

@@ -21,10 +21,10 @@ from typing import Annotated
 import pyarrow as pa
 from pydantic import BaseModel, Field
 
-from ops import task_world
+from ops.tasks import task_world
 from ops.rollout.engine import RolloutEngine
-from ops.rollout.episodes import Episode, EpisodeRunner, EpisodeSettings, Tool
-from ops.tables import ROLLOUTS
+from ops.rollout.episodes import Episode, EpisodeRunner, EpisodeConfig, Tool
+from ops.common.tables import ROLLOUTS
 
 
 class SamplingConfig(BaseModel):
@@ -37,8 +37,8 @@ class SamplingConfig(BaseModel):
     seed: Annotated[int, Field(description="Base seed; per-sample seeds are derived from it")] = 0
     max_batch_episodes: Annotated[int, Field(ge=1, description="Episodes advanced together (one engine call per turn)")] = 1024
 
-    def episode_settings(self) -> EpisodeSettings:
-        return EpisodeSettings(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)
+    def episode_settings(self) -> EpisodeConfig:
+        return EpisodeConfig(temperature=self.temperature, top_p=self.top_p, max_tokens=self.max_tokens)
 
 
 def sample_seed(base_seed: int, cycle: int, task_id: str, sample_index: int) -> int:

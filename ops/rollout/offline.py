@@ -38,7 +38,7 @@ from ops.rollout.engine import (
     read_policy_version,
 )
 from ops.rollout.vllm_worker import REFIT_METHOD
-from ops.vllm_engine import EngineConfig, make_llm
+from ops.rollout.vllm_engine import EngineConfig, make_llm
 
 log = logging.getLogger(__name__)
 

@@ -125,7 +125,7 @@ class ServerEngine(RolloutEngine):
             except _HttpError as e:
                 raise EngineStartError(
                     f"vLLM server at {url} has no /weight_info ({e}): start it with VLLM_SERVER_DEV_MODE=1 "
-                    "(pipelines.vllm_server does) so refit and version checks work"
+                    "(ops.serving.vllm_server does) so refit and version checks work"
                 ) from None
             card = models["data"][0]
             if self.model is not None and card["id"] != self.model:

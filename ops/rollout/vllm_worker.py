@@ -10,7 +10,7 @@ weights; generations "change" only because the model broke).
 
 `reload_weights_repacked` is `reload_weights` followed by that missing prepack, in place, for
 every CPU unquantized MoE layer. Elsewhere (CUDA) it is exactly `reload_weights`. The engine
-loads this class with `worker_extension_cls` (ops.vllm_engine), and callers reach it through
+loads this class with `worker_extension_cls` (ops.rollout.vllm_engine), and callers reach it through
 `collective_rpc("reload_weights_repacked", kwargs={"weights_path": DIR})`, offline or on a
 server's `/collective_rpc`. (The name must not clash with a worker method: FIELD_NOTES.)
 """

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result.to_json())
     else:
-        from ops.lineage import format_audit
+        from ops.common.lineage import format_audit
 
         print(format_audit(result))
     return 0 if result.complete else 1

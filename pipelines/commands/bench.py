@@ -8,10 +8,10 @@ import importlib
 from pipelines.cli import UserError, print_json
 
 BENCHES = {
-    "rollout": ("ops.bench_rollout", "rollout path vs raw vllm.LLM.generate (tokens/s), plus refit seconds/bytes"),
-    "learner": ("ops.bench_learner", "learner step vs a bare megatron-core forward/backward/optimizer loop (tokens/s)"),
-    "verify": ("ops.bench_verify", "batched, pooled sandbox verification vs one sandbox per verification"),
-    "harvest": ("ops.bench_harvest", "validating harvester vs a plain pyarrow.dataset scan (records/s, peak memory)"),
+    "rollout": ("ops.bench.rollout", "rollout path vs raw vllm.LLM.generate (tokens/s), plus refit seconds/bytes"),
+    "learner": ("ops.bench.learner", "learner step vs a bare megatron-core forward/backward/optimizer loop (tokens/s)"),
+    "verify": ("ops.bench.verify", "batched, pooled sandbox verification vs one sandbox per verification"),
+    "harvest": ("ops.bench.harvest", "validating harvester vs a plain pyarrow.dataset scan (records/s, peak memory)"),
 }
 
 

@@ -21,17 +21,17 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from pipelines.demo import DemoSettings, run_demo
-    from pipelines.mlflow_server import MlflowServerError
+    from pipelines.demo import DemoConfig, run_demo
+    from ops.serving.mlflow_server import MlflowServerError
     from dagster import DagsterInvalidConfigError
 
-    from pipelines.vllm_server import VllmServerError
+    from ops.serving.vllm_server import VllmServerError
 
     if args.cycles < 1:
         raise UserError("--cycles must be at least 1")
     if args.traffic < 1:
         raise UserError("--traffic must be at least 1")
-    from ops.paths import home
+    from ops.common.paths import home
 
     run_config = read_run_config(args.run_config) if args.run_config else {}
     args.summary = args.summary or home().root / "demo-summary.json"
@@ -40,7 +40,7 @@ def run(args) -> int:
     except OSError as e:
         raise UserError(f"cannot write the summary to {args.summary}: {e}") from None
     try:
-        summary = run_demo(DemoSettings(cycles=args.cycles, traffic_per_cycle=args.traffic, summary=args.summary,
+        summary = run_demo(DemoConfig(cycles=args.cycles, traffic_per_cycle=args.traffic, summary=args.summary,
                                           automation=args.automation, run_config=run_config))
     except (MlflowServerError, VllmServerError) as e:  # a port taken, a server that cannot start
         raise UserError(str(e)) from None

@@ -32,7 +32,7 @@ def dagster_instance():
     """The project's Dagster instance: DAGSTER_HOME = PERPETUA_HOME/dagster (created if missing)."""
     from dagster import DagsterInstance
 
-    from ops.paths import home
+    from ops.common.paths import home
 
     h = home().ensure()
     os.environ["DAGSTER_HOME"] = str(h.dagster)

@@ -18,20 +18,20 @@ def add_arguments(p) -> None:
 def _default_model(tmp: Path) -> Path:
     import json
 
-    from ops.paths import home
+    from ops.common.paths import home
 
     pointer = home().models / "champion.json"  # written by the deployment asset and rollback
     champion = [Path(json.loads(pointer.read_text())["hf_dir"])] if pointer.exists() else []
     for candidate in (*champion, home().models / "base" / "hf"):
         if (candidate / "config.json").exists():
             return candidate
-    from ops.bootstrap import random_policy
+    from ops.policy.bootstrap import random_policy
 
     return random_policy(tmp, seed=0, version=None)
 
 
 def run(args) -> int:
-    from ops.parity import run_parity
+    from ops.policy.parity import run_parity
 
     with tempfile.TemporaryDirectory(prefix="perpetua-parity-") as tmp:
         model = args.model or _default_model(Path(tmp))

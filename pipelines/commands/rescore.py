@@ -18,8 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ops.paths import home
-    from ops.verify import stored_cycles
+    from ops.common.paths import home
+    from ops.reward.scoring import stored_cycles
 
     data = home().data
     cycles = stored_cycles(data)
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _direct(data, cycle: int, workers: int) -> dict:
-    from ops.verify import score_cycle
+    from ops.reward.scoring import score_cycle
 
     report, path, _ = score_cycle(data, cycle, workers=workers or None)
     return {"cycle": cycle, **report.summary(), "path": str(path), "dagster_run_id": None}
@@ -53,7 +53,7 @@ def _through_dagster(cycle: int, workers: int) -> dict:
     import dagster as dg
 
     from assets.verified_rewards import verified_rewards
-    from ops.paths import home
+    from ops.common.paths import home
 
     home().ensure()
     os.environ.setdefault("DAGSTER_HOME", str(home().dagster))

@@ -1,7 +1,7 @@
 """`perpetua rollback [--json]`: the previous champion becomes champion again and is served.
 
 The production server is refit first and the aliases swap only after it serves the old
-champion, so a failed rollback leaves everything as it was (ops/registry.py)."""
+champion, so a failed rollback leaves everything as it was (ops/deploy/registry.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ops import policies, registry
-    from pipelines.resources import for_environment
+    from ops.policy import versions as policies
+    from ops.deploy import registry
+    from assets.resources import for_environment
 
     resources = for_environment()
     uri, production = resources["mlflow"].uri(), resources["production_server"]

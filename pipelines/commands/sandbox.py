@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ops.sandbox import Limits, Sandbox, SandboxUnavailable
+    from ops.reward.sandbox import Limits, Sandbox, SandboxUnavailable
 
     command = list(args.argv)
     if command and command[0] == "--":

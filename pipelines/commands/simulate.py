@@ -1,7 +1,7 @@
 """`perpetua simulate [--requests N] [--duration S] [--json]`: production traffic against the
-served champion; traces go to PERPETUA_HOME/landing/ (ops.simulator).
+served champion; traces go to PERPETUA_HOME/landing/ (ops.harvest.simulator).
 
-The champion is served by the local vLLM server (pipelines.vllm_server, reused when one is
+The champion is served by the local vLLM server (ops.serving.vllm_server, reused when one is
 healthy). Which weights: `--model-dir DIR`, else the registry's `champion` alias (MLflow at
 MLFLOW_TRACKING_URI, the running local MLflow server, or PERPETUA_HOME/mlflow/mlflow.db;
 model `--model-name`), else whatever the running server holds. The server is refit to the
@@ -35,11 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def champion(h, model_name: str) -> tuple[Path, str] | None:
     """(local model dir, registry version) of the champion, or None when there is none to find."""
-    from ops import registry
+    from ops.deploy import registry
 
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if uri is None:
-        from pipelines import mlflow_server
+        from ops.serving import mlflow_server
 
         running = mlflow_server.status(h)
         db = h.mlflow / "mlflow.db"
@@ -56,12 +56,12 @@ def champion(h, model_name: str) -> tuple[Path, str] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ops import tokenizer as tok_lib
-    from ops.paths import home
+    from ops.policy import tokenizer as tok_lib
+    from ops.common.paths import home
     from ops.rollout.engine import RolloutEngineError, read_policy_version
     from ops.rollout.server import ServerEngine
-    from ops.simulator import SimulatorConfig, format_report, run_simulation
-    from pipelines import vllm_server
+    from ops.harvest.simulator import SimulatorConfig, format_report, run_simulation
+    from ops.serving import vllm_server
 
     if args.requests is not None and args.requests < 1:
         raise UserError("--requests must be at least 1")

@@ -16,8 +16,9 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ops.paths import home
-    from pipelines import mlflow_server, vllm_server
+    from ops.common.paths import home
+    from ops.serving import mlflow_server
+    from ops.serving import vllm_server
 
     h = home()
     stopped = {"vllm": [port for port in vllm_server.recorded_ports(h) if vllm_server.stop(port, h)],

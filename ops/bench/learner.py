@@ -1,0 +1,107 @@
+"""Benchmark: the learner step against a bare megatron-core training loop, side by side in one
+process, on the same model (same seed), the same batch and the same micro-batches.
+
+- baseline: the loop anyone would write first around a megatron GPTModel: forward, masked
+  policy-gradient loss (-A * log p, token mean), backward, gradient clipping, torch AdamW, no
+  DDP wrapper, no statistics;
+- candidate: `ops.learn.step.Learner.train_step`: megatron DDP (main_grad buffers), the full
+  GRPO loss (clip, TIS, mismatch), entropy, router hooks, global grad norm, metrics.
+
+Both run `rounds` optimizer updates, interleaved (candidate, baseline, candidate, ...) after a
+warm-up, so drift of a shared machine hits both alike. Tokens are the non-padding tokens of the
+batch per update, the same for both sides. ratio = candidate tokens/s / baseline tokens/s, taken
+per round (the two updates of one round ran back to back) and reported as the median over rounds
+(> 1: the learner is faster; goal >= 0.9, i.e. the learner's bookkeeping costs at most 10%).
+tokens_per_s of each side is its median over rounds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def _baseline_update(model, opt, plan, normalizer: float, grad_clip: float | None) -> None:
+    import torch
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    real = sum(1 for mb in plan if mb.real)
+    for mb in plan:
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / real, device=mb.tokens.device))
+        positions = torch.arange(mb.tokens.shape[1], device=mb.tokens.device).unsqueeze(0).expand_as(mb.tokens)
+        logits = model(mb.tokens, positions, attention_mask=None, padding_mask=mb.padding).float()
+        logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, mb.tokens[:, 1:, None]).squeeze(-1)
+        loss = -(mb.advantages[:, None] * logp * mb.target_mask).sum() / normalizer
+        loss.backward()
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def run_bench(groups: int = 16, group_size: int = 4, micro_batch_size: int = 16, rounds: int = 8,
+              warmup: int = 2, seed: int = 0, preset: str = "tiny") -> dict:
+    """Median tokens/s of the learner step vs the bare loop (see the module docstring)."""
+    import torch
+
+    from ops.learn.batch import build_training_batch, synthetic_tables
+    from ops.learn.config import LearnerConfig
+    from ops.learn.step import Learner, plan_micro_batches
+    from ops.policy.model import PRESETS, build_model, init_single_process
+
+    init_single_process(seed)
+    policy = PRESETS[preset]
+    cfg = LearnerConfig(lr=1e-5, micro_batch_size=micro_batch_size, seed=seed)
+    rollouts, rewards = synthetic_tables(groups, group_size, vocab_size=policy.vocab_size, prompt_len=(24, 40),
+                                         completion_len=(24, 64), seed=seed)
+    batch = build_training_batch(rollouts, rewards, cfg.advantage)
+    tokens = batch.stats.tokens
+
+    learner = Learner(policy, cfg)
+    model = build_model(policy, seed=seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+    device = next(model.parameters()).device
+    plan = [mb.to(device) for mb in plan_micro_batches(batch.samples, micro_batch_size, 1, 0, 0)]
+    normalizer = float(batch.stats.trained_tokens)
+
+    cand, base, last = [], [], {}
+    for r in range(warmup + rounds):
+        t0 = time.perf_counter()
+        step = learner.train_step(batch)
+        t1 = time.perf_counter()
+        _baseline_update(model, opt, plan, normalizer, cfg.grad_clip)
+        t2 = time.perf_counter()
+        if r >= warmup:
+            cand.append(t1 - t0)
+            base.append(t2 - t1)
+        last = step.last
+    c, b = statistics.median(cand), statistics.median(base)
+    return {
+        "name": "learner",
+        "ratio": round(statistics.median(bi / ci for bi, ci in zip(base, cand)), 4),
+        "baseline": {
+            "what": "bare megatron-core GPTModel loop: forward, -A*logp token-mean loss, backward, clip, torch AdamW",
+            "tokens_per_s": round(tokens / b, 1),
+            "seconds_per_update": round(b, 4),
+            "seconds_all": [round(x, 4) for x in base],
+        },
+        "candidate": {
+            "what": "ops.learn.step.Learner.train_step: megatron DDP, GRPO loss + stats, entropy, router hooks",
+            "tokens_per_s": round(tokens / c, 1),
+            "seconds_per_update": round(c, 4),
+            "seconds_all": [round(x, 4) for x in cand],
+            "metrics": {k: last[k] for k in ("loss", "grad_norm", "entropy", "load_balancing_loss",
+                                             "router_balance_entropy") if k in last},
+        },
+        "setup": {"preset": preset, "samples": len(batch), "tokens_per_update": tokens,
+                  "trained_tokens_per_update": batch.stats.trained_tokens, "micro_batch_size": micro_batch_size,
+                  "micro_batches": len(plan), "rounds": rounds, "threads": torch.get_num_threads(),
+                  "device": "cuda" if torch.cuda.is_available() else "cpu"},
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run_bench(), indent=2))

@@ -1,0 +1,151 @@
+"""`perpetua bench verify`: how fast rollouts are verified, against the obvious way of doing it.
+
+baseline  = one sandboxed process per calculator verification, one after another;
+candidate = the project's path (ops.reward.scoring.verify_rollouts): many episodes' tool calls checked
+            by one sandboxed runner process, batches spread over a worker pool sized to the
+            machine.
+ratio = baseline seconds / candidate seconds (> 1: the project's path is faster). Both paths
+must give the same rewards, or the bench says so (`same_rewards`).
+
+Also reported: the sandbox's own start-up cost (the same command with and without it) and
+verifications/s of the pytest-based SWE verifier, serial and pooled, on a tiny generated repo.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ops.reward.sandbox import Sandbox
+from ops.tasks.task_world import Task, generate_tasks, prompt_text, solution_text
+from ops.reward.verifiers import VerifyItem, get_verifier
+from ops.reward.scoring import default_workers, verify_rollouts
+
+_MINI_REPO = {
+    "mini/__init__.py": "def add(a, b):\n    return a - b\n\n\ndef neg(a):\n    return -a\n",
+    "tests/test_mini.py": (
+        "from mini import add, neg\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
+        "def test_neg():\n    assert neg(2) == -2\n"
+    ),
+}
+_MINI_PATCH = """diff --git a/mini/__init__.py b/mini/__init__.py
+--- a/mini/__init__.py
++++ b/mini/__init__.py
+@@ -1,5 +1,5 @@
+ def add(a, b):
+-    return a - b
++    return a + b
+ 
+ 
+ def neg(a):
+"""
+
+
+def _episodes(n: int) -> tuple[list[dict], dict[str, Task]]:
+    """n calculator rollouts: honest solutions, and every third one with tampered tool output."""
+    tasks = [t for fam in ("add", "sub", "mul") for t in generate_tasks(fam, n // 3 + 1, seed=7)][:n]
+    rows = []
+    for i, t in enumerate(tasks):
+        completion = solution_text(t)[len(prompt_text(t)) :]
+        if i % 3 == 2:
+            completion = completion.replace(f"RESULT {t.answer}", f"RESULT {int(t.answer) + 1}")
+        rows.append({"group_id": f"{t.task_id}:bench", "sample_index": 0, "task_id": t.task_id,
+                     "prompt_text": prompt_text(t), "completion_text": completion})
+    return rows, {t.task_id: t for t in tasks}
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _sandbox_overhead(sandbox: Sandbox, repeats: int) -> dict:
+    argv = [sys.executable, "-c", "pass"]
+    plain = _median_seconds(lambda: subprocess.run(argv, check=True, stdin=subprocess.DEVNULL), repeats)
+    boxed = _median_seconds(lambda: sandbox.run(argv), repeats)
+    true_plain = _median_seconds(lambda: subprocess.run(["true"], check=True), repeats)
+    true_boxed = _median_seconds(lambda: sandbox.run(["true"]), repeats)
+    return {
+        "command": "python -c pass", "unsandboxed_ms": round(plain * 1e3, 2), "sandboxed_ms": round(boxed * 1e3, 2),
+        "overhead_ms": round((boxed - plain) * 1e3, 2),
+        "true_unsandboxed_ms": round(true_plain * 1e3, 2), "true_sandboxed_ms": round(true_boxed * 1e3, 2),
+    }
+
+
+def _swe(sandbox: Sandbox, n: int, workers: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="perpetua-bench-swe-") as tmp:
+        repo = Path(tmp) / "repo"
+        for rel, text in _MINI_REPO.items():
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            (repo / rel).write_text(text)
+        task = {"task_id": "mini", "verifier": "swe", "repo": str(repo),
+                "fail_to_pass": ["tests/test_mini.py::test_add"], "pass_to_pass": ["tests/test_mini.py::test_neg"]}
+        rows = [{"group_id": "mini:bench", "sample_index": i, "task_id": "mini", "prompt_text": "",
+                 "completion_text": _MINI_PATCH} for i in range(n)]
+        start = time.perf_counter()
+        serial = verify_rollouts(rows, {"mini": task}, sandbox=sandbox, workers=1)
+        serial_s = time.perf_counter() - start
+        start = time.perf_counter()
+        pooled = verify_rollouts(rows, {"mini": task}, sandbox=sandbox, workers=workers)
+        pooled_s = time.perf_counter() - start
+    rewards = [r["reward"] for r in serial.rows + pooled.rows]
+    return {
+        "verifications": n, "serial_seconds": round(serial_s, 3), "pooled_seconds": round(pooled_s, 3),
+        "serial_verifications_per_second": round(n / serial_s, 3), "pooled_verifications_per_second": round(n / pooled_s, 3),
+        "workers": workers, "all_rewarded": all(r == 1.0 for r in rewards),
+    }
+
+
+def run_bench(n_episodes: int = 60, n_swe: int = 4, repeats: int = 5, workers: int | None = None) -> dict:
+    """The bench JSON (DESIGN.md: name, ratio, baseline, candidate, plus details)."""
+    sandbox = Sandbox()
+    workers = workers or default_workers()
+    rows, tasks = _episodes(n_episodes)
+    calculator = get_verifier("calculator")
+
+    start = time.perf_counter()
+    baseline_rewards = []
+    for row in rows:
+        item = VerifyItem.from_rollout(row, tasks[row["task_id"]])
+        baseline_rewards += [v.reward for v in calculator.verify_batch([item], sandbox)]
+    baseline_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    report = verify_rollouts(rows, tasks, sandbox=sandbox, workers=workers)
+    candidate_s = time.perf_counter() - start
+    candidate_rewards = [r["reward"] for r in report.rows]
+
+    return {
+        "name": "verify",
+        "ratio": round(baseline_s / candidate_s, 3),
+        "baseline": {
+            "what": "calculator verifier, one sandboxed process per verification, serially",
+            "verifications": len(rows), "seconds": round(baseline_s, 3),
+            "verifications_per_second": round(len(rows) / baseline_s, 2),
+        },
+        "candidate": {
+            "what": f"ops.reward.scoring.verify_rollouts: batched runner (up to {calculator.batch_size} episodes per sandboxed "
+                    f"process) on a pool of {workers} workers",
+            "verifications": len(rows), "seconds": round(candidate_s, 3),
+            "verifications_per_second": round(len(rows) / candidate_s, 2),
+        },
+        "same_rewards": baseline_rewards == candidate_rewards,
+        "mean_reward": round(sum(candidate_rewards) / len(candidate_rewards), 4),
+        "isolation": sandbox.isolation,
+        "sandbox_overhead": _sandbox_overhead(sandbox, repeats),
+        "swe_pytest": _swe(sandbox, n_swe, workers),
+    }
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run_bench(), indent=2))

@@ -1,0 +1,382 @@
+"""MLflow as the record of each cycle: one parent run per cycle, one nested run per stage.
+
+What a cycle leaves in MLflow:
+- the parent run (`start_cycle_run`), tagged with the cycle and the Dagster run, carrying the
+  cycle metrics at step = cycle (`log_cycle_metrics`): scores, cost, intelligence per dollar
+  (cycle and cumulative) and the inputs to recompute both;
+- one nested run per stage (`stage_run`) with its params (config, policy version in/out,
+  verifier versions), metrics, input datasets (`log_dataset`: the Parquet table it read or
+  wrote, with its content hash as digest), tags linking back to the Dagster run, asset key and
+  partition;
+- a LoggedModel per checkpoint (`RunLog.log_checkpoint`), with metrics attached to the model;
+- the intelligence-per-dollar plot (`RunLog.log_figure`).
+
+Every function takes an explicit tracking URI: MLflow's default is a sqlite file relative to
+the working directory, and the fluent API's global state does not mix with several stores in
+one process (tests) or with Dagster's run processes. All calls go through `MlflowClient`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from ops.cost.model import Campaign, CycleCost, CycleRecord
+
+DEFAULT_UI_URL = "http://127.0.0.1:5000"  # where ops.serving.mlflow_server serves the local store
+
+# Tag keys (searchable: `tags."perpetua.cycle" = '3'`).
+TAG_KIND = "perpetua.kind"  # "cycle" on parent runs, "stage" on nested runs
+TAG_CYCLE = "perpetua.cycle"
+TAG_STAGE = "perpetua.stage"
+TAG_EVAL_SET = "perpetua.eval_set_hash"
+TAG_DAGSTER_RUN = "dagster.run_id"
+TAG_DAGSTER_ASSET = "dagster.asset_key"
+TAG_DAGSTER_PARTITION = "dagster.partition"
+TAG_PARENT = "mlflow.parentRunId"
+
+
+class TrackingError(ValueError):
+    """A tracking URI or record that cannot be used as given."""
+
+
+# ---- the store ----------------------------------------------------------------------------
+
+
+def sqlite_uri(db_path: Path) -> str:
+    """`sqlite:////abs/path.db`: the only sqlite form accepted here (absolute)."""
+    return "sqlite:///" + str(Path(db_path).resolve())
+
+
+def local_store(root: Path) -> tuple[str, Path]:
+    """(tracking URI, artifacts dir) of the local store under `root` (PERPETUA_HOME/mlflow)."""
+    root = Path(root).resolve()
+    return sqlite_uri(root / "mlflow.db"), root / "artifacts"
+
+
+def check_tracking_uri(uri: str) -> str:
+    """Reject URIs that would write somewhere unintended (relative sqlite, file stores)."""
+    if not uri:
+        raise TrackingError("tracking URI is empty; pass sqlite:////ABS/mlflow.db or http://127.0.0.1:5000")
+    if uri.startswith("sqlite:"):
+        if not uri.startswith("sqlite:////"):
+            raise TrackingError(f"{uri!r} is a relative sqlite URI; use an absolute one (sqlite:////ABS/mlflow.db)")
+        return uri
+    if re.match(r"^(https?|postgresql(\+\w+)?|mysql(\+\w+)?|mssql(\+\w+)?|databricks)://", uri) or uri == "databricks":
+        return uri
+    raise TrackingError(
+        f"unsupported tracking URI {uri!r}: use an absolute sqlite URI, an http(s) MLflow server or a database URL"
+    )
+
+
+@lru_cache(maxsize=16)
+def client(tracking_uri: str):
+    """An MlflowClient for this store (tracking and registry in the same place)."""
+    from mlflow import MlflowClient
+
+    uri = check_tracking_uri(tracking_uri)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def _artifact_location(tracking_uri: str, experiment: str) -> str | None:
+    # Direct sqlite access: artifacts beside the db (MLflow would otherwise use ./mlruns of the
+    # cwd). Through a server: let it choose (mlflow-artifacts:/, proxied to its destination).
+    if tracking_uri.startswith("sqlite:////"):
+        db = Path(tracking_uri[len("sqlite:///") :])
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", experiment)
+        return (db.parent / "artifacts" / safe).as_uri()
+    return None
+
+
+def ensure_experiment(tracking_uri: str, experiment: str) -> str:
+    """The id of `experiment`, created on first use (safe against a concurrent creator)."""
+    from mlflow.exceptions import MlflowException
+
+    c = client(tracking_uri)
+    found = c.get_experiment_by_name(experiment)
+    if found is not None and found.lifecycle_stage == "deleted":
+        raise TrackingError(f"experiment {experiment!r} is deleted; restore it in MLflow or use another name")
+    if found is not None:
+        return found.experiment_id
+    try:
+        return c.create_experiment(experiment, artifact_location=_artifact_location(tracking_uri, experiment))
+    except MlflowException:
+        found = c.get_experiment_by_name(experiment)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+def dagster_tags(run_id: str | None = None, asset_key: str | None = None, partition: str | None = None) -> dict:
+    """Tags that link an MLflow run back to the Dagster run, asset and partition."""
+    tags = {TAG_DAGSTER_RUN: run_id, TAG_DAGSTER_ASSET: asset_key, TAG_DAGSTER_PARTITION: partition}
+    return {k: v for k, v in tags.items() if v is not None}
+
+
+def run_url(tracking_uri: str, run_id: str, ui_url: str | None = None) -> str:
+    """A link to the run in the MLflow UI, for Dagster metadata.
+
+    For an http(s) tracking URI the UI is that server; for a direct database URI it is
+    `ui_url`, by default the local server that `ops.serving.mlflow_server` starts on this store.
+    """
+    base = ui_url or (tracking_uri if tracking_uri.startswith(("http://", "https://")) else DEFAULT_UI_URL)
+    experiment_id = client(tracking_uri).get_run(run_id).info.experiment_id
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+# ---- runs ---------------------------------------------------------------------------------
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v if isinstance(v, str) else json.dumps(v, default=str)
+    return out
+
+
+@dataclass
+class RunLog:
+    """Logging into one existing run (a cycle's parent run or a stage's nested run)."""
+
+    tracking_uri: str
+    run_id: str
+
+    @property
+    def _c(self):
+        return client(self.tracking_uri)
+
+    @property
+    def experiment_id(self) -> str:
+        return self._c.get_run(self.run_id).info.experiment_id
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Params, nested dicts flattened with dots (`config.lr`); values JSON-encoded."""
+        from mlflow.entities import Param
+
+        items = [Param(k, v) for k, v in _flatten(params).items()]
+        for i in range(0, len(items), 100):  # MLflow's batch limit for params
+            self._c.log_batch(self.run_id, params=items[i : i + 100])
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None, model_id: str | None = None) -> None:
+        for key, value in metrics.items():
+            self._c.log_metric(self.run_id, key, float(value), step=step, model_id=model_id)
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        for key, value in tags.items():
+            self._c.set_tag(self.run_id, key, str(value))
+
+    def log_dataset(
+        self,
+        df,
+        source: str | Path,
+        name: str,
+        context: str | None = None,
+        digest: str | None = None,
+        tags: Mapping[str, str] | None = None,
+    ) -> str:
+        """Record a table this run read or wrote (`df` is its pandas frame, `source` its Parquet
+        path); `digest` defaults to MLflow's own hash, pass `tables.table_hash` to match the
+        Dagster data version. Returns the digest."""
+        import mlflow.data
+        from mlflow.entities import DatasetInput, InputTag
+        from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+        with warnings.catch_warnings():  # "source can be interpreted in multiple ways": it is a local path
+            warnings.simplefilter("ignore", UserWarning)
+            ds = mlflow.data.from_pandas(df, source=str(source), name=name, digest=digest)
+        input_tags = [InputTag(k, str(v)) for k, v in (tags or {}).items()]
+        if context:
+            input_tags.append(InputTag(MLFLOW_DATASET_CONTEXT, context))
+        self._c.log_inputs(self.run_id, [DatasetInput(ds._to_mlflow_entity(), tags=input_tags)])
+        return ds.digest
+
+    def log_figure(self, figure, artifact_file: str) -> None:
+        self._c.log_figure(self.run_id, figure, artifact_file)
+
+    def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
+        path = Path(local_path)
+        if path.is_dir():
+            self._c.log_artifacts(self.run_id, str(path), artifact_path)
+        else:
+            self._c.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_dict(self, d: dict, artifact_file: str) -> None:
+        self._c.log_dict(self.run_id, d, artifact_file)
+
+    def log_checkpoint(
+        self,
+        name: str,
+        step: int,
+        model_dir: str | Path | None = None,
+        params: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
+        tags: Mapping[str, str] | None = None,
+        model_type: str = "policy",
+    ) -> str:
+        """A LoggedModel for one checkpoint, produced by this run at `step`; returns its model id.
+
+        `model_dir` (e.g. the HF export) becomes the model's artifacts when given; `metrics` are
+        attached to both the model and the run. The model is READY when this returns, or FAILED
+        if logging its artifacts raised.
+        """
+        from mlflow.entities import LoggedModelOutput
+
+        c = self._c
+        model = c.create_logged_model(
+            self.experiment_id,
+            name=name,
+            source_run_id=self.run_id,
+            tags={k: str(v) for k, v in (tags or {}).items()},
+            params=_flatten(params or {}),
+            model_type=model_type,
+        )
+        try:
+            if model_dir is not None:
+                c.log_model_artifacts(model.model_id, str(model_dir))
+            if metrics:
+                self.log_metrics(metrics, step=step, model_id=model.model_id)
+        except BaseException:
+            c.finalize_logged_model(model.model_id, "FAILED")
+            raise
+        c.finalize_logged_model(model.model_id, "READY")
+        c.log_outputs(self.run_id, [LoggedModelOutput(model.model_id, step)])
+        return model.model_id
+
+
+def start_cycle_run(
+    tracking_uri: str,
+    experiment: str,
+    cycle: int,
+    tags: Mapping[str, Any] | None = None,
+    params: Mapping[str, Any] | None = None,
+) -> str:
+    """Open the parent run of one cycle; returns its run id. Close it with `end_run`."""
+    c = client(tracking_uri)
+    experiment_id = ensure_experiment(tracking_uri, experiment)
+    all_tags = {TAG_KIND: "cycle", TAG_CYCLE: str(cycle), **{k: str(v) for k, v in (tags or {}).items()}}
+    run = c.create_run(experiment_id, tags=all_tags, run_name=f"cycle-{cycle}")
+    if params:
+        RunLog(tracking_uri, run.info.run_id).log_params(params)
+    return run.info.run_id
+
+
+def end_run(tracking_uri: str, run_id: str, status: str = "FINISHED") -> None:
+    client(tracking_uri).set_terminated(run_id, status)
+
+
+@contextmanager
+def stage_run(
+    tracking_uri: str,
+    parent_run_id: str,
+    stage: str,
+    tags: Mapping[str, Any] | None = None,
+    params: Mapping[str, Any] | None = None,
+) -> Iterator[RunLog]:
+    """A nested run for one stage under the cycle's parent run: FINISHED on success, FAILED
+    (and the exception re-raised) otherwise.
+
+    Param names the stages share, so runs compare across cycles: `policy_version_in`,
+    `policy_version_out`, `verifier_versions.<verifier>`, `config.<field>` (nested dicts are
+    flattened with dots by `log_params`). Pass `dagster_tags(...)` as `tags`.
+    """
+    c = client(tracking_uri)
+    parent = c.get_run(parent_run_id)
+    all_tags = {
+        TAG_PARENT: parent_run_id,
+        TAG_KIND: "stage",
+        TAG_STAGE: stage,
+        **({TAG_CYCLE: parent.data.tags[TAG_CYCLE]} if TAG_CYCLE in parent.data.tags else {}),
+        **{k: str(v) for k, v in (tags or {}).items()},
+    }
+    run = c.create_run(parent.info.experiment_id, tags=all_tags, run_name=stage)
+    log = RunLog(tracking_uri, run.info.run_id)
+    try:
+        if params:
+            log.log_params(params)
+        yield log
+    except BaseException:
+        c.set_terminated(run.info.run_id, "FAILED")
+        raise
+    c.set_terminated(run.info.run_id, "FINISHED")
+
+
+# ---- cycle metrics ------------------------------------------------------------------------
+
+
+def log_cycle_metrics(
+    tracking_uri: str,
+    run_id: str,
+    record: CycleRecord,
+    campaign: Campaign,
+    cost: CycleCost | None = None,
+) -> dict[str, float]:
+    """Log a cycle's scores, cost and intelligence per dollar at step = cycle, with the inputs
+    needed to recompute them. `campaign` must already contain `record`. Returns what was logged."""
+    if not campaign.records or campaign.records[-1] != record:
+        raise TrackingError(f"cycle {record.cycle}: add the record to the campaign before logging it")
+    metrics = {
+        "champion_score": record.champion_score,
+        "candidate_score": record.candidate_score,
+        "gain": record.candidate_score - record.champion_score,
+        "deployed": 1.0 if record.deployed else 0.0,
+        "cost_usd": record.dollars,
+        "intelligence_per_dollar": record.ipd,
+        "campaign_cost_usd": campaign.total_dollars,
+        "campaign_first_champion_score": campaign.first_champion_score,
+        "campaign_champion_score": campaign.champion_score,
+        "cumulative_intelligence_per_dollar": campaign.cumulative_ipd(),
+    }
+    for prefix, ci in (("champion", record.champion_ci), ("candidate", record.candidate_ci)):
+        if ci is not None:
+            metrics[f"{prefix}_ci_lo"], metrics[f"{prefix}_ci_hi"] = ci
+    if cost is not None:
+        metrics.update(
+            {"cost_usd_cpu": cost.cpu_dollars, "cost_usd_gpu": cost.gpu_dollars, "cost_usd_api": cost.api_dollars}
+        )
+        metrics.update({f"cost_usd_stage.{stage}": d for stage, d in cost.by_stage.items()})
+    log = RunLog(tracking_uri, run_id)
+    log.log_metrics(metrics, step=record.cycle)
+    if record.eval_set_hash:
+        log.set_tags({TAG_EVAL_SET: record.eval_set_hash})
+    if cost is not None:
+        log.log_dict(cost.to_dict(), f"cost/cycle-{record.cycle}.json")
+    return metrics
+
+
+def load_campaign(tracking_uri: str, experiment: str) -> Campaign:
+    """Rebuild the campaign from the cycle runs' logged inputs (the latest run per cycle)."""
+    c = client(tracking_uri)
+    found = c.get_experiment_by_name(experiment)
+    if found is None:
+        return Campaign()
+    runs = c.search_runs(
+        [found.experiment_id], filter_string=f"tags.`{TAG_KIND}` = 'cycle'", order_by=["attributes.start_time ASC"]
+    )
+    latest: dict[int, CycleRecord] = {}
+    for run in runs:
+        m = run.data.metrics
+        if "cost_usd" not in m:
+            continue  # a cycle that never reached its cycle metrics
+        cycle = int(run.data.tags[TAG_CYCLE])
+        ci = {p: (m[f"{p}_ci_lo"], m[f"{p}_ci_hi"]) if f"{p}_ci_lo" in m else None for p in ("champion", "candidate")}
+        latest[cycle] = CycleRecord(
+            cycle=cycle,
+            champion_score=m["champion_score"],
+            candidate_score=m["candidate_score"],
+            dollars=m["cost_usd"],
+            deployed=m["deployed"] > 0.5,
+            champion_ci=ci["champion"],
+            candidate_ci=ci["candidate"],
+            eval_set_hash=run.data.tags.get(TAG_EVAL_SET),
+        )
+    return Campaign.from_records(list(latest.values()))

@@ -1,0 +1,1 @@
+"""Stage `evaluate` (asset eval_report): eval sets, scoring statistics and the deploy gate."""

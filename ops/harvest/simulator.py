@@ -1,0 +1,232 @@
+"""The production simulator: traffic against the served champion, written as production traces.
+
+Production is the loop's source of new failures. Here it is simulated: a traffic generator
+draws tasks from the task world with a family mix that drifts over production time t in
+[0, 1] (`task_world.production_mix(t)`: new phrasings and operators appear and grow), every
+request runs as a tool episode on the serving engine (the vLLM server, through
+ops.rollout.server.ServerEngine: the same episode loop as training rollouts), is checked, and
+becomes a trace record (ops.harvest.contract contract v1) in PERPETUA_HOME/landing/, where the harvester
+picks up the failures. The failure rate per family over time is the production signal the
+demo reports (drift families fail until training catches up).
+
+The check is pluggable (`verify`); the default compares the final answer with the task's
+ground truth. Requests go out in waves of `wave_size` concurrent episodes, one landing file
+per wave (files appear while the simulation runs, as real traffic would).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Annotated, Callable
+
+from pydantic import BaseModel, Field
+
+from ops.tasks import task_world
+from ops.rollout.engine import PolicyVersionError, RolloutEngine
+from ops.rollout.episodes import Episode, EpisodeRunner, EpisodeConfig
+from ops.harvest.contract import TraceRecord, write_traces
+
+Verify = Callable[[task_world.Task, Episode], bool]
+
+
+def answer_matches(task: task_world.Task, episode: Episode) -> bool:
+    """The default check: the episode answered, and the answer is the ground truth."""
+    return episode.finish_reason == "answer" and episode.final_answer == task.answer
+
+
+class SimulatorConfig(BaseModel):
+    """One simulated stretch of production traffic."""
+
+    requests: Annotated[int | None, Field(ge=1, description="Requests to send (None with a duration: as many as fit)")] = 64
+    duration_s: Annotated[float | None, Field(gt=0, description="Wall seconds to run; production time t = elapsed / duration")] = None
+    wave_size: Annotated[int, Field(ge=1, description="Concurrent episodes per wave (one landing file each)")] = 16
+    seed: Annotated[int, Field(description="Traffic seed (families and operands)")] = 0
+    temperature: Annotated[float, Field(ge=0, description="Serving temperature")] = 0.0
+    top_p: Annotated[float, Field(gt=0, le=1, description="Serving nucleus mass")] = 1.0
+    max_tokens: Annotated[int, Field(ge=1, description="Completion token budget per episode")] = 96
+    windows: Annotated[int, Field(ge=1, description="Time windows of the failure-rate report")] = 4
+    time_start: Annotated[float, Field(ge=0, le=1, description="Production time t at the first request")] = 0.0
+    time_end: Annotated[float, Field(ge=0, le=1, description="Production time t at the last request")] = 1.0
+    model_version: Annotated[str | None, Field(description="model_version written in traces (the registry version); default: the served policy version")] = None
+
+
+@dataclass
+class SimulationResult:
+    records: list[TraceRecord]
+    times: list[float]  # production time t of each record
+    landing_files: list[Path]
+    seconds: float
+    model_version: str
+    policy_version: int | None
+    failure_rate: list[dict] = field(default_factory=list)
+    by_family: dict[str, dict] = field(default_factory=dict)
+    stopped_early: str | None = None  # why the run ended before its requests/duration
+
+    def to_dict(self) -> dict:
+        outcomes: dict[str, int] = defaultdict(int)
+        for r in self.records:
+            outcomes[r.outcome] += 1
+        return {
+            "requests": len(self.records),
+            "seconds": round(self.seconds, 3),
+            "model_version": self.model_version,
+            "policy_version": self.policy_version,
+            "landing_files": [str(p) for p in self.landing_files],
+            "outcomes": dict(outcomes),
+            "failure_rate": self.failure_rate,
+            "by_family": self.by_family,
+            "stopped_early": self.stopped_early,
+        }
+
+
+class Traffic:
+    """Tasks as production sends them: family by the drifting mix, operands at random."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(f"traffic:{seed}")
+        self.seed = seed
+        self.count = 0
+
+    def task_at(self, t: float) -> task_world.Task:
+        mix = task_world.production_mix(t)
+        family = self.rng.choices(list(mix), weights=list(mix.values()))[0]
+        self.count += 1
+        (task,) = task_world.generate_tasks(family, 1, seed=self.rng.getrandbits(31))
+        return task
+
+
+def run_simulation(
+    engine: RolloutEngine,
+    tokenizer,
+    landing_dir: Path,
+    cfg: SimulatorConfig | None = None,
+    *,
+    verify: Verify = answer_matches,
+    log: Callable[[str], None] = lambda line: None,
+) -> SimulationResult:
+    """Send the traffic, write the traces, and report failure rates by family over time."""
+    cfg = cfg or SimulatorConfig()
+    if cfg.requests is None and cfg.duration_s is None:
+        raise ValueError("give a number of requests or a duration")
+    policy_version = engine.check_version(None)
+    model_version = cfg.model_version or str(policy_version)
+    runner = EpisodeRunner(engine, tokenizer)
+    settings = EpisodeConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens)
+    traffic = Traffic(cfg.seed)
+    records, times, files = [], [], []
+    start = time.monotonic()
+    sent, stopped = 0, None
+    while True:
+        elapsed = time.monotonic() - start
+        if cfg.requests is not None and sent >= cfg.requests:
+            break
+        if cfg.duration_s is not None and elapsed >= cfg.duration_s:
+            break
+        n = cfg.wave_size if cfg.requests is None else min(cfg.wave_size, cfg.requests - sent)
+        wave_t = [_production_time(cfg, sent + i, elapsed) for i in range(n)]
+        episodes = [runner.new_episode(traffic.task_at(t), 0, _episode_seed(cfg.seed, sent + i)) for i, t in enumerate(wave_t)]
+        try:
+            # Traces name one model version: a deploy that refits the server mid-run ends the run.
+            runner.run(episodes, settings, require_version=policy_version)
+        except PolicyVersionError as e:
+            stopped = f"the served policy changed: {e}"
+            log(f"stopping: {stopped}")
+            break
+        wave = [trace_record(ep, model_version, verify) for ep in episodes]
+        files.append(write_traces(wave, landing_dir, prefix="simulator"))
+        records += wave
+        times += wave_t
+        sent += n
+        fails = sum(r.outcome != "success" for r in wave)
+        log(f"t={wave_t[0]:.2f}-{wave_t[-1]:.2f}: {n} requests, {fails} failed -> {files[-1].name}")
+    result = SimulationResult(records, times, files, time.monotonic() - start, model_version, policy_version,
+                              stopped_early=stopped)
+    result.failure_rate, result.by_family = failure_rates(records, times, cfg.windows)
+    return result
+
+
+def _production_time(cfg: SimulatorConfig, index: int, elapsed: float) -> float:
+    if cfg.duration_s is not None:
+        frac = min(1.0, elapsed / cfg.duration_s)
+    else:
+        frac = index / max(1, cfg.requests - 1)
+    return cfg.time_start + (cfg.time_end - cfg.time_start) * frac
+
+
+def _episode_seed(seed: int, index: int) -> int:
+    return random.Random(f"episode:{seed}:{index}").getrandbits(31)
+
+
+def trace_record(ep: Episode, model_version: str, verify: Verify) -> TraceRecord:
+    """One episode as a production trace (ops.harvest.contract contract)."""
+    task = ep.task
+    messages = [{"role": "user", "content": task.question}]
+    calls = iter(ep.tool_calls)
+    for line in ep.model_lines:
+        messages.append({"role": "assistant", "content": line})
+        if task_world.parse_action(line).kind == "call":
+            call = next(calls, None)
+            if call is not None:
+                messages.append({"role": "tool", "content": call.result if call.error is None else f"error: {call.error}"})
+    if ep.finish_reason in ("env_error", "engine_error"):
+        outcome, error_type = "error", ep.finish_reason
+    else:
+        outcome, error_type = ("success" if verify(task, ep) else "failure"), None
+    return TraceRecord(
+        trace_id=uuid.uuid4().hex,
+        timestamp=datetime.now(timezone.utc),
+        model_version=model_version,
+        family=task.family,
+        question=task.question,
+        messages=messages,
+        tool_calls=[{"name": "calc", "arguments": c.expression, "result": c.result, "error": c.error} for c in ep.tool_calls],
+        final_answer=ep.final_answer,
+        finish_reason=ep.finish_reason,
+        outcome=outcome,
+        error_type=error_type,
+        usage={"prompt_tokens": len(ep.prompt_ids), "completion_tokens": ep.completion_tokens},
+        task={"task_id": task.task_id, "expression": task.expression, "answer": task.answer},
+    )
+
+
+def failure_rates(records: list[TraceRecord], times: list[float], windows: int) -> tuple[list[dict], dict[str, dict]]:
+    """Failure rate (outcome != success) per family, per window of production time, and overall."""
+    cells: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0])
+    totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for r, t in zip(records, times):
+        w = min(windows - 1, int(t * windows))
+        failed = int(r.outcome != "success")
+        for key, table in (((w, r.family), cells), (r.family, totals)):
+            table[key][0] += 1
+            table[key][1] += failed
+    kind = {name: fam.kind for name, fam in task_world.FAMILIES.items()}
+    rows = [
+        {"window": w, "t_start": round(w / windows, 4), "t_end": round((w + 1) / windows, 4), "family": fam,
+         "kind": kind.get(fam, "unknown"), "requests": n, "failures": f, "rate": round(f / n, 4)}
+        for (w, fam), (n, f) in sorted(cells.items())
+    ]  # fmt: skip
+    by_family = {
+        fam: {"kind": kind.get(fam, "unknown"), "requests": n, "failures": f, "rate": round(f / n, 4)}
+        for fam, (n, f) in sorted(totals.items())
+    }
+    return rows, by_family
+
+
+def format_report(result: SimulationResult) -> str:
+    """A table: families as rows, time windows as columns, failure rate (requests) per cell."""
+    windows = sorted({r["window"] for r in result.failure_rate})
+    cell = {(r["family"], r["window"]): r for r in result.failure_rate}
+    head = f"{'family':<12}{'kind':<10}" + "".join(f"t{w}".rjust(12) for w in windows) + "     overall"
+    lines = [head]
+    for fam, tot in result.by_family.items():
+        cols = "".join(
+            (f"{cell[fam, w]['rate']:.2f} ({cell[fam, w]['requests']})" if (fam, w) in cell else "-").rjust(12) for w in windows
+        )
+        lines.append(f"{fam:<12}{tot['kind']:<10}{cols}{tot['rate']:>8.2f} ({tot['requests']})")
+    return "\n".join(lines)

@@ -1,0 +1,270 @@
+"""From the verified batch on disk to training samples: rollouts joined with their rewards on the
+rollout key (group_id, sample_index), advantages per group, dynamic sampling applied and counted.
+
+A learner step trains on exactly what vLLM sampled (token-in/token-out): the sequence is
+`prompt_ids + completion_ids`, the loss mask covers the model-generated completion tokens, and
+`behaviour_logprobs` are the sampling engine's log-probs of those tokens, the `logp_behaviour` of
+the loss (train/inference mismatch, truncated importance sampling).
+
+Bad input is rejected as a whole with a `BatchError` that says what is wrong and where: a rollout
+without a reward (or the reverse) would bias its group's baseline, so nothing is dropped silently.
+Samples are ordered by rollout key, so the batch (and the micro-batches cut from it) does not
+depend on the row order of the Parquet files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from ops.learn.advantages import AdvantageConfig, group_advantages
+from ops.policy.sequences import Sequence
+from ops.common.tables import REWARDS, ROLLOUTS, SchemaMismatch, read_table, table_hash
+
+_ROLLOUT_COLUMNS = ["group_id", "sample_index", "policy_version", "prompt_ids", "completion_ids",
+                    "behaviour_logprobs", "loss_mask"]
+_REWARD_COLUMNS = ["group_id", "sample_index", "reward", "flagged"]
+
+
+class BatchError(ValueError):
+    """The verified batch cannot be trained on as given (the message says why)."""
+
+
+@dataclass(frozen=True)
+class TrainingSample:
+    group_id: str
+    sample_index: int
+    sequence: Sequence
+    behaviour_logprobs: list[float]  # one per completion token (0.0 where loss_mask is 0)
+    advantage: float
+    reward: float
+    policy_version: int
+
+    @property
+    def trained_tokens(self) -> int:
+        return int(sum(self.sequence.loss_mask))
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    rollouts: int
+    groups_total: int
+    groups_filtered_all_equal: int  # DAPO dynamic sampling: groups with no signal
+    samples_kept: int
+    samples_filtered: int
+    flagged: int  # rewards flagged by a sandbox violation or a reward-hacking guard
+    mean_reward: float  # over all rollouts
+    kept_mean_reward: float
+    trained_tokens: int  # loss-masked tokens of the kept samples
+    tokens: int  # all tokens (prompt + completion) of the kept samples
+    behaviour_policy_versions: tuple[int, ...]  # versions that generated the kept samples
+
+    def as_dict(self, prefix: str = "") -> dict:
+        d = asdict(self)
+        d["behaviour_policy_versions"] = list(self.behaviour_policy_versions)
+        return {f"{prefix}{k}": v for k, v in d.items()}
+
+
+@dataclass(frozen=True)
+class TrainingBatch:
+    samples: list[TrainingSample]  # kept samples only, ordered by (group_id, sample_index)
+    stats: BatchStats
+    batch_id: str  # content hash of the rollouts and rewards tables
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def read_batch_tables(rollout_paths: list[Path], reward_paths: list[Path]) -> tuple[pa.Table, pa.Table]:
+    """The ROLLOUTS and REWARDS tables, each concatenated over its files (schemas checked)."""
+    def read(paths, schema, what):
+        missing = [str(p) for p in paths if not Path(p).exists()]
+        if missing:
+            raise BatchError(f"{what} table(s) not found: {', '.join(missing)}")
+        try:
+            return pa.concat_tables([read_table(Path(p), schema) for p in paths])
+        except SchemaMismatch as e:
+            raise BatchError(f"{what}: {e}") from None
+
+    return read(rollout_paths, ROLLOUTS, "rollouts"), read(reward_paths, REWARDS, "rewards")
+
+
+def batch_id(rollouts: pa.Table, rewards: pa.Table) -> str:
+    """Identity of a verified batch: the same tables give the same id (used to make a re-run of
+    the same step idempotent)."""
+    return hashlib.sha256(f"{table_hash(rollouts)}:{table_hash(rewards)}".encode()).hexdigest()[:16]
+
+
+def _examples(keys) -> str:
+    keys = sorted(keys)
+    more = f" (and {len(keys) - 5} more)" if len(keys) > 5 else ""
+    return ", ".join(f"{g}/{i}" for g, i in keys[:5]) + more
+
+
+def build_training_batch(
+    rollouts: pa.Table,
+    rewards: pa.Table,
+    cfg: AdvantageConfig | None = None,
+    *,
+    vocab_size: int | None = None,
+    max_length: int | None = None,
+) -> TrainingBatch:
+    """Join, validate, compute advantages and filter (see the module docstring)."""
+    cfg = cfg or AdvantageConfig()
+    for table, cols, what in ((rollouts, _ROLLOUT_COLUMNS, "rollouts"), (rewards, _REWARD_COLUMNS, "rewards")):
+        missing = [c for c in cols if c not in table.column_names]
+        if missing:
+            raise BatchError(f"{what} table lacks columns {missing}")
+    if rollouts.num_rows == 0:
+        raise BatchError("the rollouts table is empty: nothing to learn from")
+
+    rows = rollouts.select(_ROLLOUT_COLUMNS).to_pylist()
+    by_key: dict[tuple[str, int], dict] = {}
+    dup = set()
+    for r in rows:
+        key = (r["group_id"], r["sample_index"])
+        if key in by_key:
+            dup.add(key)
+        by_key[key] = r
+    if dup:
+        raise BatchError(f"{len(dup)} duplicate rollout key(s) (group_id/sample_index): {_examples(dup)}")
+    reward_of: dict[tuple[str, int], dict] = {}
+    for r in rewards.select(_REWARD_COLUMNS).to_pylist():
+        key = (r["group_id"], r["sample_index"])
+        if key in reward_of:
+            dup.add(key)
+        reward_of[key] = r
+    if dup:
+        raise BatchError(f"{len(dup)} duplicate reward key(s) (group_id/sample_index): {_examples(dup)}")
+    unrewarded = by_key.keys() - reward_of.keys()
+    orphans = reward_of.keys() - by_key.keys()
+    if unrewarded:
+        raise BatchError(f"{len(unrewarded)} rollout(s) have no reward row (verify them first): {_examples(unrewarded)}")
+    if orphans:
+        raise BatchError(f"{len(orphans)} reward row(s) match no rollout: {_examples(orphans)}")
+
+    keys = sorted(by_key)
+    problems: list[str] = []
+    for key in keys:
+        _validate_rollout(key, by_key[key], reward_of[key], vocab_size, max_length, problems)
+        if len(problems) >= 5:
+            break
+    if problems:
+        raise BatchError("invalid rollouts: " + "; ".join(problems))
+
+    reward = torch.tensor([float(reward_of[k]["reward"]) for k in keys], dtype=torch.float64)
+    adv = group_advantages(reward, [k[0] for k in keys], cfg)
+
+    samples: list[TrainingSample] = []
+    for i, key in enumerate(keys):
+        if not bool(adv.keep[i]):
+            continue
+        r = by_key[key]
+        seq = Sequence(list(r["prompt_ids"]), list(r["completion_ids"]), [int(m) for m in r["loss_mask"]])
+        samples.append(TrainingSample(key[0], key[1], seq, [float(x) for x in r["behaviour_logprobs"]],
+                                      float(adv.advantages[i]), float(reward[i]), int(r["policy_version"])))
+    kept_rewards = [s.reward for s in samples]
+    stats = BatchStats(
+        rollouts=len(keys),
+        groups_total=adv.groups_total,
+        groups_filtered_all_equal=adv.groups_filtered_all_equal,
+        samples_kept=len(samples),
+        samples_filtered=len(keys) - len(samples),
+        flagged=sum(bool(reward_of[k]["flagged"]) for k in keys),
+        mean_reward=float(reward.mean()),
+        kept_mean_reward=sum(kept_rewards) / len(kept_rewards) if kept_rewards else float("nan"),
+        trained_tokens=sum(s.trained_tokens for s in samples),
+        tokens=sum(len(s.sequence.ids) for s in samples),
+        behaviour_policy_versions=tuple(sorted({s.policy_version for s in samples})),
+    )
+    return TrainingBatch(samples, stats, batch_id(rollouts, rewards))
+
+
+def _validate_rollout(key, r: dict, rw: dict, vocab_size, max_length, problems: list[str]) -> None:
+    where = f"{key[0]}/{key[1]}"
+    prompt, completion = r["prompt_ids"] or [], r["completion_ids"] or []
+    logps, mask = r["behaviour_logprobs"] or [], r["loss_mask"] or []
+    if not prompt:
+        problems.append(f"{where}: empty prompt_ids")
+        return
+    if not (len(completion) == len(logps) == len(mask)):
+        problems.append(f"{where}: completion_ids ({len(completion)}), behaviour_logprobs ({len(logps)}) and "
+                        f"loss_mask ({len(mask)}) must have equal length")
+        return
+    if any(m not in (0, 1) for m in mask):
+        problems.append(f"{where}: loss_mask values must be 0 or 1")
+    for lp, m in zip(logps, mask):
+        if m and (lp is None or not math.isfinite(lp) or lp > 1e-4):
+            problems.append(f"{where}: behaviour log-prob {lp} on a trained token is not a finite value <= 0")
+            break
+    if vocab_size is not None and any(t < 0 or t >= vocab_size for t in prompt + completion):
+        problems.append(f"{where}: token ids outside the policy's vocabulary [0, {vocab_size})")
+    if max_length is not None and len(prompt) + len(completion) > max_length:
+        problems.append(f"{where}: {len(prompt) + len(completion)} tokens exceed the policy's "
+                        f"max_position_embeddings {max_length}")
+    if rw["reward"] is None or not math.isfinite(rw["reward"]):
+        problems.append(f"{where}: reward {rw['reward']} is not finite")
+
+
+def synthetic_tables(
+    groups: int = 4,
+    group_size: int = 4,
+    *,
+    vocab_size: int = 512,
+    prompt_len: tuple[int, int] = (6, 12),
+    completion_len: tuple[int, int] = (6, 16),
+    all_equal_groups: int = 0,
+    policy_version: int = 0,
+    cycle: int = 0,
+    seed: int = 0,
+) -> tuple[pa.Table, pa.Table]:
+    """Well-formed ROLLOUTS and REWARDS tables of random token sequences, for benchmarks and tests.
+
+    Each completion has a tool segment (loss_mask 0) in the middle; rewards are 0/1 with both
+    values in every group except the first `all_equal_groups`, which are all 0 (filtered by
+    dynamic sampling). Behaviour log-probs are random negatives (replace them to be on-policy).
+    """
+    import random
+
+    rng = random.Random(seed)
+    rollouts, rewards = [], []
+    for g in range(groups):
+        gid = f"c{cycle}-g{g:04d}"
+        prompt = [rng.randrange(4, vocab_size) for _ in range(rng.randint(*prompt_len))]
+        for i in range(group_size):
+            n = rng.randint(*completion_len)
+            completion = [rng.randrange(4, vocab_size) for _ in range(n)]
+            mask = [1] * n
+            if n >= 6:
+                start = n // 3
+                mask[start : start + 2] = [0, 0]
+            logps = [-rng.uniform(0.5, 6.0) if m else 0.0 for m in mask]
+            reward = 0.0 if g < all_equal_groups else float(i % 2 == 0 if i < 2 else rng.random() < 0.5)
+            rollouts.append({
+                "cycle": cycle, "task_id": f"task-{g}", "family": "synthetic", "group_id": gid, "sample_index": i,
+                "policy_version": policy_version, "prompt_ids": prompt, "completion_ids": completion,
+                "behaviour_logprobs": logps, "loss_mask": mask, "prompt_text": "", "completion_text": "",
+                "turns": 1, "tool_calls": [], "final_answer": None, "finish_reason": "answer",
+                "prompt_tokens": len(prompt), "completion_tokens": sum(mask), "generation_seconds": 0.0,
+                "temperature": 1.0, "top_p": 1.0, "max_tokens": completion_len[1], "seed": seed,
+            })
+            rewards.append({
+                "group_id": gid, "sample_index": i, "task_id": f"task-{g}", "verifier": "synthetic",
+                "verifier_version": "1", "reward": reward, "outcome": "pass" if reward else "fail", "details": "{}",
+                "flagged": False, "seconds": 0.0,
+            })
+    return pa.Table.from_pylist(rollouts, schema=ROLLOUTS), pa.Table.from_pylist(rewards, schema=REWARDS)
+
+
+def with_behaviour_logprobs(rollouts: pa.Table, logprobs: dict[tuple[str, int], list[float]]) -> pa.Table:
+    """`rollouts` with behaviour_logprobs replaced per rollout key (0.0 kept off the loss mask)."""
+    rows = rollouts.to_pylist()
+    for r in rows:
+        new = logprobs[(r["group_id"], r["sample_index"])]
+        r["behaviour_logprobs"] = [lp if m else 0.0 for lp, m in zip(new, r["loss_mask"])]
+    return pa.Table.from_pylist(rows, schema=rollouts.schema)

@@ -1,0 +1,249 @@
+"""The GRPO-family policy loss: one clipped surrogate, four published variations, as options.
+
+Notation (per sequence i, per trained token t; `mask` is 1 on model-generated tokens):
+    logp      log pi_theta(y_t)       the learner's log-probs now (carries the gradient)
+    logp_old  log pi_old(y_t)         the learner's log-probs of the same weights at the start of
+                                      the step (detached); None -> use logp_behaviour
+    logp_beh  log mu(y_t)             vLLM's recorded log-probs of the sampled tokens
+    A_i                                the sequence's advantage (ops.learn.advantages)
+
+PPO clip (Schulman et al. 2017), per token, as GRPO (Shao et al. 2024) uses it:
+    r_t = exp(logp - logp_old)
+    surr_t = min(r_t * A, clip(r_t, 1 - clip_low, 1 + clip_high) * A)
+DAPO (Yu et al. 2025) makes two changes, both options here: clip-higher (clip_high > clip_low,
+so low-probability tokens with A > 0 can grow, against entropy collapse) and token-mean
+aggregation (every token of the batch weighs the same, so long sequences are not down-weighted).
+
+GSPO (Zheng et al. 2025, Qwen) uses one importance ratio per sequence, the geometric mean of
+the token ratios, and clips whole sequences with a much smaller range (about 3e-4 / 4e-4):
+    s_i = exp( mean_{t in mask_i} (logp - logp_old) )
+It is computed in GSPO-token form, s_{i,t} = sg[s_i] * exp(logp_t - sg[logp_t]): the value is
+s_i on every token and the gradient on token t is s_i * d logp_t, so with sequence-mean
+aggregation this is exactly GSPO's objective, and both levels share one code path below.
+
+TIS, truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly
+brings you off-policy RL training"): vLLM and the trainer compute different probabilities for
+the same weights (kernels, precision), so rollouts are slightly off-policy. The surrogate of
+token t is multiplied by the detached weight
+    w_t = min(exp(logp_old - logp_beh), tis_cap)
+(at sequence level: min(exp(mean_t (logp_old - logp_beh)), tis_cap), per sequence, to match
+the GSPO ratio). When logp_old is None the ratio is already taken against logp_beh, so w = 1.
+
+KL penalty (GRPO), the k3 estimator of KL(pi_theta || pi_ref) (Schulman, "Approximating KL
+divergence"), unbiased and non-negative per token:
+    k3_t = exp(logp_ref - logp) - (logp_ref - logp) - 1
+
+Per-token loss l_t = -w_t * surr_t + kl_coef * k3_t, then aggregated:
+    token-mean:    sum_{i,t} mask * l / sum mask                      (DAPO)
+    sequence-mean: mean_i ( sum_t mask * l / sum_t mask_i )          (GRPO, GSPO)
+
+Plain torch; no megatron. Entropy needs logits, so it is a separate helper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Annotated, Literal
+
+import torch
+from pydantic import BaseModel, Field
+from torch import Tensor
+
+
+class LossConfig(BaseModel):
+    """The surrogate objective of one learner step."""
+
+    model_config = {"frozen": True, "extra": "forbid"}
+
+    level: Annotated[
+        Literal["token", "sequence"],
+        Field(
+            description="'token': PPO/GRPO/DAPO per-token importance ratio; 'sequence': GSPO ratio "
+            "exp(mean over the sequence's trained tokens of logp - logp_old), clipped per sequence"
+        ),
+    ] = "token"
+    clip_low: Annotated[
+        float,
+        Field(ge=0, lt=1, description="Ratio lower clip: 1 - clip_low (PPO 0.2; GSPO about 3e-4)"),
+    ] = 0.2
+    clip_high: Annotated[
+        float,
+        Field(ge=0, description="Ratio upper clip: 1 + clip_high (DAPO clip-higher 0.28; GSPO about 4e-4)"),
+    ] = 0.28
+    aggregation: Annotated[
+        Literal["token-mean", "sequence-mean"],
+        Field(
+            description="'token-mean': every trained token of the batch weighs the same (DAPO); "
+            "'sequence-mean': mean over tokens within a sequence, then over sequences (GRPO, GSPO)"
+        ),
+    ] = "token-mean"
+    tis_cap: Annotated[
+        float | None,
+        Field(
+            gt=0,
+            description="Truncated importance sampling cap C: weight = min(pi_old_train / pi_behaviour, C), "
+            "detached, corrects the train/inference mismatch (Yao et al. 2025 use 2); None disables",
+        ),
+    ] = 2.0
+    kl_coef: Annotated[
+        float,
+        Field(ge=0, description="Weight of the k3 KL(pi_theta || pi_ref) penalty; 0 disables (DAPO drops it)"),
+    ] = 0.0
+
+    @classmethod
+    def gspo(cls, **overrides) -> LossConfig:
+        """GSPO's published setting: sequence ratio, clip 3e-4 / 4e-4, sequence-mean."""
+        base = {"level": "sequence", "clip_low": 3e-4, "clip_high": 4e-4, "aggregation": "sequence-mean"}
+        return cls(**(base | overrides))
+
+
+@dataclass(frozen=True)
+class LossStats:
+    """What the step did, as plain floats (ready for MLflow). "unit" = masked token at level
+    'token', sequence with at least one trained token at level 'sequence'.
+
+    loss = pg_loss + kl_coef * kl holds exactly (both use the configured aggregation).
+    """
+
+    loss: float
+    pg_loss: float  # aggregated -w * surr
+    kl: float  # aggregated k3 (computed whenever logp_ref is given, added only if kl_coef > 0)
+    clip_fraction: float  # share of units whose clip was active (gradient cut): low + high
+    clip_low_fraction: float  # A < 0 and ratio < 1 - clip_low
+    clip_high_fraction: float  # A > 0 and ratio > 1 + clip_high
+    ratio_mean: float  # over units
+    ratio_max: float
+    ratio_min: float
+    tis_weight_mean: float  # over units; 1.0 when TIS is off or logp_old is None
+    mismatch: float  # mean |logp_old - logp_behaviour| over masked tokens; 0.0 when logp_old is None
+    num_tokens: float  # masked tokens in this batch
+    num_sequences: float  # sequences with at least one trained token
+
+    def as_dict(self, prefix: str = "") -> dict[str, float]:
+        return {f"{prefix}{k}": v for k, v in asdict(self).items()}
+
+
+def _check_inputs(logp, logp_old, logp_behaviour, advantages, mask, logp_ref) -> None:
+    if logp.ndim != 2:
+        raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
+    for name, t in (("logp_old", logp_old), ("logp_behaviour", logp_behaviour), ("mask", mask), ("logp_ref", logp_ref)):
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(logp.shape)} like logp")
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(f"advantages must be [B]={logp.shape[0]}, got shape {tuple(advantages.shape)}")
+
+
+def grpo_loss(
+    logp: Tensor,
+    logp_old: Tensor | None,
+    logp_behaviour: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    cfg: LossConfig,
+    logp_ref: Tensor | None = None,
+    *,
+    loss_normalizer: float | None = None,
+) -> tuple[Tensor, LossStats]:
+    """Clipped policy-gradient loss for one (micro-)batch; see the module docstring for the math.
+
+    All tensors [B, T] except advantages [B]. Values at masked positions are never read (they may
+    be anything, even inf), so tool tokens and padding have no effect on loss or gradient.
+    `loss_normalizer` replaces the local denominator (trained tokens for token-mean, sequences for
+    sequence-mean) so that micro-batches of one step can share the global one under gradient
+    accumulation. A batch with no trained token gives a zero loss still attached to the graph,
+    so every data-parallel rank can call backward.
+    """
+    _check_inputs(logp, logp_old, logp_behaviour, advantages, mask, logp_ref)
+    if cfg.kl_coef > 0 and logp_ref is None:
+        raise ValueError("kl_coef > 0 needs logp_ref (the reference policy's log-probs)")
+    if loss_normalizer is not None and not loss_normalizer > 0:
+        raise ValueError(f"loss_normalizer must be > 0, got {loss_normalizer}")
+    m = mask.bool()
+    mf = m.to(torch.float32)
+    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+
+    def masked(x: Tensor) -> Tensor:  # masked positions -> 0 before any exp, so inf/nan there stay harmless
+        return torch.where(m, x.float(), zero)
+
+    lp = masked(logp)
+    lp_beh = masked(logp_behaviour.detach())
+    lp_old = lp_beh if logp_old is None else masked(logp_old.detach())
+    adv = advantages.detach().float()[:, None]
+    tokens_per_seq = mf.sum(dim=1)
+    has_tokens = tokens_per_seq > 0
+    n_tokens = float(tokens_per_seq.sum().item())
+    n_seqs = float(has_tokens.sum().item())
+
+    if cfg.level == "token":
+        ratio = torch.exp(lp - lp_old)
+        log_w = lp_old - lp_beh
+    else:
+        denom = tokens_per_seq.clamp(min=1)
+        seq_log_ratio = (lp - lp_old).sum(dim=1) / denom
+        # GSPO-token form: value s_i on every token, gradient s_i * d logp_t.
+        ratio = torch.exp(seq_log_ratio.detach())[:, None] * torch.exp(lp - lp.detach())
+        log_w = ((lp_old - lp_beh).sum(dim=1) / denom)[:, None].expand_as(lp)
+    tis_w = torch.ones_like(lp) if cfg.tis_cap is None else torch.exp(log_w).clamp(max=cfg.tis_cap)
+
+    clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    surr = torch.minimum(ratio * adv, clipped * adv)
+    pg_tok = -tis_w * surr
+    k3 = None
+    if logp_ref is not None:
+        d = masked(logp_ref.detach()) - lp
+        k3 = torch.exp(d) - d - 1.0
+
+    def aggregate(x: Tensor) -> Tensor:
+        x = x * mf
+        if cfg.aggregation == "token-mean":
+            return x.sum() / (loss_normalizer if loss_normalizer is not None else max(n_tokens, 1.0))
+        per_seq = x.sum(dim=1) / tokens_per_seq.clamp(min=1)
+        return per_seq.sum() / (loss_normalizer if loss_normalizer is not None else max(n_seqs, 1.0))
+
+    pg_loss = aggregate(pg_tok)
+    kl = aggregate(k3) if k3 is not None else zero
+    loss = pg_loss + cfg.kl_coef * kl if cfg.kl_coef > 0 else pg_loss
+    if n_tokens == 0:
+        loss = (logp * 0).sum()  # nothing to train; keep the graph so backward runs
+
+    with torch.no_grad():
+        if cfg.level == "token":
+            unit, r, a, w = m, ratio, adv.expand_as(ratio), tis_w
+        else:
+            unit, r, a, w = has_tokens, ratio[:, 0], adv[:, 0], tis_w[:, 0]
+        r_u, a_u, w_u = r[unit], a[unit], w[unit]
+        n_units = max(int(unit.sum().item()), 1)
+        low = ((a_u < 0) & (r_u < 1.0 - cfg.clip_low)).sum().item() / n_units
+        high = ((a_u > 0) & (r_u > 1.0 + cfg.clip_high)).sum().item() / n_units
+        empty = r_u.numel() == 0
+        mismatch = 0.0 if logp_old is None or n_tokens == 0 else float(((lp_old - lp_beh).abs() * mf).sum() / n_tokens)
+        stats = LossStats(
+            loss=float(loss.detach()),
+            pg_loss=float(pg_loss.detach()),
+            kl=float(kl.detach()),
+            clip_fraction=low + high,
+            clip_low_fraction=low,
+            clip_high_fraction=high,
+            ratio_mean=1.0 if empty else float(r_u.mean()),
+            ratio_max=1.0 if empty else float(r_u.max()),
+            ratio_min=1.0 if empty else float(r_u.min()),
+            tis_weight_mean=1.0 if empty else float(w_u.mean()),
+            mismatch=mismatch,
+            num_tokens=n_tokens,
+            num_sequences=n_seqs,
+        )
+    return loss, stats
+
+
+def entropy_from_logits(logits: Tensor, mask: Tensor) -> Tensor:
+    """Mean per-token entropy H = -sum_v p_v log p_v over masked positions of logits [B, T, V].
+
+    A falling entropy is the early sign of the collapse clip-higher is meant to prevent. It
+    builds a [B, T, V] temporary: call it under torch.no_grad() when it is only a metric.
+    """
+    if logits.ndim != 3 or logits.shape[:2] != mask.shape:
+        raise ValueError(f"logits must be [B, T, V] with mask [B, T]; got {tuple(logits.shape)} and {tuple(mask.shape)}")
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    ent = -(logp.exp() * logp).sum(dim=-1)
+    mf = mask.bool().to(ent.dtype)
+    return (ent * mf).sum() / mf.sum().clamp(min=1)

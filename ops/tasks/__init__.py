@@ -1,0 +1,1 @@
+"""Stage `tasks` (asset training_tasks): the task world and the training-task set with its held-out split and replay."""

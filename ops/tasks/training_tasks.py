@@ -1,0 +1,325 @@
+"""Harvested failures -> RL training tasks with a verifier spec, a held-out split and replay.
+
+Why it is shaped like this:
+- *Ground truth comes from the verifier spec, not from production.* A production system does
+  not know the right answer (`TraceRecord.task.answer` is only a hint). For the calculator
+  world the truth is `calc(expression)`, with the expression parsed out of the question by
+  the family's template (`ops.tasks.task_world.FAMILIES`); the producer's expression hint is used
+  only when the template does not match. A failure whose truth cannot be derived is counted
+  as unverifiable and left out (reported, never silently).
+- *Held-out is a property of the task, not of the cycle.* `split_of(task_id)` hashes the id,
+  so a task is held out in every cycle, whichever source it came from (production failure,
+  bootstrap replay, an eval set); nothing held out can reach the train split. `eval_tasks`
+  builds eval sets from held-out tasks only.
+- *Replay against forgetting.* Each cycle trains on the failures that are new since the
+  previous task set, mixed with a replay sample of earlier train tasks and of bootstrap-family
+  tasks (the SFT distribution), `replay_ratio` replay tasks per new task (at least
+  `min_replay`). Sampling is by hash, so the set is a deterministic function of its inputs, and
+  its `table_hash` is its data version.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field
+
+from ops.common.paths import Home, home as default_home
+from ops.common.tables import read_table, table_hash
+from ops.tasks.task_world import BOOTSTRAP_FAMILIES, DRIFT_FAMILIES, FAMILIES, Task, ToolError, calc, generate_tasks, normalize_question
+
+TRAINING_TASKS_VERSION = "1"
+TRAINING_TASKS_CODE_VERSION = "training-tasks-1"  # bump when the same failures give other tasks
+VERIFIER = "calculator"
+VERIFIER_VERSION = "1"
+HELDOUT_FRACTION = 0.2
+BOOTSTRAP_REPLAY_SEED = 1234
+EVAL_SEED = 4321
+ANSWER_PATTERN = r"^ANSWER (-?\d+)$"  # what ops.tasks.task_world.parse_action accepts as an answer
+
+# One row per task. `verifier_spec` (JSON) is everything the verifier needs: kind, version,
+# expression, expected answer, how the answer must be formatted, and where the truth came from.
+TRAINING_TASKS = pa.schema(
+    [
+        ("task_id", pa.string()),
+        ("family", pa.string()),
+        ("question", pa.string()),
+        ("expression", pa.string()),
+        ("answer", pa.string()),  # calc(expression): the ground truth
+        ("verifier", pa.string()),
+        ("verifier_spec", pa.string()),
+        ("split", pa.string()),  # train | heldout
+        ("source", pa.string()),  # failure | replay_previous | replay_bootstrap
+        ("source_trace_ids", pa.list_(pa.string())),  # production traces this task came from
+        ("failure_type", pa.string()),  # null for bootstrap replay
+        ("last_generation", pa.int32()),  # harvest generation that last saw it fail (null: bootstrap)
+    ],
+    metadata={"perpetua.table": "training_tasks", "perpetua.version": TRAINING_TASKS_VERSION},
+)
+
+
+class TrainingTaskConfig(BaseModel):
+    model_config = ConfigDict(frozen=True)
+    heldout_fraction: Annotated[float, Field(ge=0.0, lt=1.0, description="Share of task ids held out, by hash.")] = HELDOUT_FRACTION
+    replay_ratio: Annotated[float, Field(ge=0.0, description="Replay tasks per new failure task.")] = 1.0
+    min_replay: Annotated[int, Field(ge=0, description="At least this many replay tasks per set.")] = 16
+    bootstrap_share: Annotated[float, Field(ge=0.0, le=1.0, description="Share of replay drawn from bootstrap families.")] = 0.5
+    bootstrap_pool_per_family: Annotated[int, Field(ge=1, description="Bootstrap tasks generated per family to sample from.")] = 200
+    seed: Annotated[int, Field(description="Salt of the replay sample.")] = 0
+
+
+@dataclass
+class TrainingTaskSet:
+    table: pa.Table  # TRAINING_TASKS
+    data_version: str  # table_hash(table)
+    harvest_generation: int  # the failures' newest generation this set has consumed
+    counts: dict[str, int] = field(default_factory=dict)
+    unverifiable: list[str] = field(default_factory=list)  # task ids left out, with no derivable truth
+
+    def tasks(self, split: Literal["train", "heldout"] | None = None) -> list[Task]:
+        rows = self.table.to_pylist()
+        return [Task.from_dict(r) for r in rows if split is None or r["split"] == split]
+
+
+# ---- split and ground truth -------------------------------------------------------------------
+
+
+def split_of(task_id: str, heldout_fraction: float = HELDOUT_FRACTION) -> Literal["train", "heldout"]:
+    """Deterministic split by hash of the task id: the same task is held out in every cycle."""
+    bucket = int(hashlib.sha256(f"split:{task_id}".encode()).hexdigest()[:8], 16) / 2**32
+    return "heldout" if bucket < heldout_fraction else "train"
+
+
+def is_held_out(task_id: str, heldout_fraction: float = HELDOUT_FRACTION) -> bool:
+    return split_of(task_id, heldout_fraction) == "heldout"
+
+
+@lru_cache(maxsize=None)
+def _template_regex(family: str) -> re.Pattern:
+    template = normalize_question(FAMILIES[family].template)
+    parts = re.split(r"(\{[a-z]\})", template)
+    pattern = "".join(f"(?P<{p[1]}>-?\\d+)" if re.fullmatch(r"\{[a-z]\}", p) else re.escape(p) for p in parts)
+    return re.compile(pattern)
+
+
+def ground_truth(family: str, question: str, expression_hint: str | None = None) -> tuple[str, str, str] | None:
+    """(expression, answer, derived_from) for a question, or None if no truth can be derived.
+
+    derived_from is "template" (operands parsed by the family's template) or "expression_hint"."""
+    expression, derived_from = None, None
+    if family in FAMILIES:
+        m = _template_regex(family).fullmatch(normalize_question(question))
+        if m:
+            operands = {k: int(v) for k, v in m.groupdict().items()}
+            expression, derived_from = FAMILIES[family].expression.format(**{"c": 0, **operands}), "template"
+    if expression is None and expression_hint:
+        expression, derived_from = expression_hint, "expression_hint"
+    if expression is None:
+        return None
+    try:
+        return expression, calc(expression), derived_from
+    except ToolError:
+        return None
+
+
+def verifier_spec(expression: str, answer: str, derived_from: str) -> str:
+    return json.dumps(
+        {
+            "kind": VERIFIER,
+            "version": VERIFIER_VERSION,
+            "expression": expression,
+            "answer": answer,
+            "answer_pattern": ANSWER_PATTERN,
+            "ground_truth": f"calc(expression), expression from {derived_from}",
+        },
+        sort_keys=True,
+    )
+
+
+# ---- eval sets: held-out tasks only -----------------------------------------------------------
+
+
+def eval_tasks(families: list[str], n_per_family: int, seed: int = EVAL_SEED, heldout_fraction: float = HELDOUT_FRACTION) -> list[Task]:
+    """Up to `n_per_family` held-out tasks per family (never in any train split)."""
+    out = []
+    for fam in families:
+        pool = generate_tasks(fam, max(n_per_family * 10, 50), seed)
+        out += [t for t in pool if is_held_out(t.task_id, heldout_fraction)][:n_per_family]
+    return out
+
+
+def standard_eval_sets(task_set: TrainingTaskSet | None = None, n_per_family: int = 32) -> dict[str, list[Task]]:
+    """The eval sets every cycle reports: bootstrap and drift families (held-out tasks) and the
+    held-out production failures of the current task set."""
+    sets = {"bootstrap": eval_tasks(BOOTSTRAP_FAMILIES, n_per_family), "drift": eval_tasks(DRIFT_FAMILIES, n_per_family)}
+    if task_set is not None:
+        sets["harvested_heldout"] = task_set.tasks("heldout")
+    return sets
+
+
+# ---- the builder ------------------------------------------------------------------------------
+
+
+def build_training_tasks(
+    failures: pa.Table, previous: pa.Table | None = None, settings: TrainingTaskConfig = TrainingTaskConfig()
+) -> TrainingTaskSet:
+    """Build this cycle's task set from all harvested failures (HARVESTED_FAILURES) and the
+    previous task set (TRAINING_TASKS with its metadata), if any."""
+    since = _consumed_generation(previous)
+    counts = {"failures": failures.num_rows, "unverifiable": 0, "answer_hint_mismatch": 0}
+    unverifiable: list[str] = []
+    rows: dict[str, dict] = {}
+    replay_pool: dict[str, dict] = {}
+    newest = since
+    for f in failures.to_pylist():
+        truth = ground_truth(f["family"], f["question"], f["expression_hint"])
+        if truth is None:
+            counts["unverifiable"] += 1
+            unverifiable.append(f["task_id"])
+            continue
+        expression, answer, derived_from = truth
+        if f["answer_hint"] is not None and f["answer_hint"].strip() != answer:
+            counts["answer_hint_mismatch"] += 1
+        last_gen = int(f["last_generation"])
+        newest = max(newest, last_gen)
+        row = {
+            "task_id": f["task_id"],
+            "family": f["family"],
+            "question": f["question"],
+            "expression": expression,
+            "answer": answer,
+            "verifier": VERIFIER,
+            "verifier_spec": verifier_spec(expression, answer, derived_from),
+            "split": split_of(f["task_id"], settings.heldout_fraction),
+            "source": "failure",
+            "source_trace_ids": f["trace_ids"],
+            "failure_type": f["failure_type"],
+            "last_generation": last_gen,
+        }
+        if row["split"] == "heldout" or last_gen > since:
+            rows[row["task_id"]] = row  # held-out failures stay in every set; new ones train now
+        else:
+            replay_pool[row["task_id"]] = {**row, "source": "replay_previous"}
+    if previous is not None:
+        for r in previous.to_pylist():
+            if r["split"] == "train" and r["source"] != "replay_bootstrap" and r["task_id"] not in rows:
+                replay_pool.setdefault(r["task_id"], {**r, "source": "replay_previous"})
+
+    n_new = sum(1 for r in rows.values() if r["split"] == "train")
+    n_replay = max(settings.min_replay, math.ceil(settings.replay_ratio * n_new))
+    salt = hashlib.sha256(f"{settings.seed}:{since}:{','.join(sorted(rows))}".encode()).hexdigest()
+    bootstrap_pool = {
+        t.task_id: _bootstrap_row(t)
+        for fam in BOOTSTRAP_FAMILIES
+        for t in generate_tasks(fam, settings.bootstrap_pool_per_family, BOOTSTRAP_REPLAY_SEED)
+        if split_of(t.task_id, settings.heldout_fraction) == "train" and t.task_id not in rows and t.task_id not in replay_pool
+    }
+    n_boot = round(n_replay * settings.bootstrap_share)
+    take_prev = _sample(replay_pool, min(len(replay_pool), n_replay - min(n_boot, len(bootstrap_pool))), salt)
+    take_boot = _sample(bootstrap_pool, min(len(bootstrap_pool), n_replay - len(take_prev)), salt)
+    for r in take_prev + take_boot:
+        rows[r["task_id"]] = r
+
+    table = pa.Table.from_pylist(sorted(rows.values(), key=lambda r: (r["split"], r["source"], r["task_id"])), schema=TRAINING_TASKS)
+    table = table.replace_schema_metadata({**TRAINING_TASKS.metadata, b"perpetua.harvest_generation": str(newest).encode()})
+    splits = table["split"].to_pylist()
+    sources = table["source"].to_pylist()
+    counts.update(
+        {
+            "train": splits.count("train"),
+            "heldout": splits.count("heldout"),
+            "new_failures": sum(1 for s, src in zip(splits, sources) if s == "train" and src == "failure"),
+            "replay_previous": sources.count("replay_previous"),
+            "replay_bootstrap": sources.count("replay_bootstrap"),
+        }
+    )
+    return TrainingTaskSet(table, training_tasks_version(table), newest, counts, unverifiable)
+
+
+def training_tasks_version(table: pa.Table) -> str:
+    """The data version of a task set: its content hash, the same for the table read back."""
+    return table_hash(table.select(TRAINING_TASKS.names).cast(TRAINING_TASKS).combine_chunks())
+
+
+def _consumed_generation(previous: pa.Table | None) -> int:
+    if previous is None:
+        return 0
+    meta = previous.schema.metadata or {}
+    return int(meta.get(b"perpetua.harvest_generation", b"0"))
+
+
+def _bootstrap_row(t: Task) -> dict:
+    return {
+        **t.to_dict(),
+        "verifier": VERIFIER,
+        "verifier_spec": verifier_spec(t.expression, t.answer, "template"),
+        "split": "train",
+        "source": "replay_bootstrap",
+        "source_trace_ids": [],
+        "failure_type": None,
+        "last_generation": None,
+    }
+
+
+def _sample(pool: dict[str, dict], k: int, salt: str) -> list[dict]:
+    """k rows of the pool chosen by hash: deterministic, and stable as the pool grows."""
+    if k <= 0:
+        return []
+    keys = sorted(pool, key=lambda tid: hashlib.sha256(f"{salt}:{tid}".encode()).hexdigest())[:k]
+    return [pool[key] for key in keys]
+
+
+# ---- where task sets live ---------------------------------------------------------------------
+# PERPETUA_HOME/data/training_tasks/tasks-<data_version>.parquet, and current.json naming the
+# current set, the failures version it was built from and the set before it. Rebuilding from
+# the same failures reuses the same previous set, so a retried cycle gets the same tasks.
+
+
+def current_training_tasks_path(home: Home | None = None) -> Path | None:
+    pointer = _pointer(home)
+    return Path(pointer["path"]) if pointer else None
+
+
+def read_training_tasks(path: Path) -> pa.Table:
+    return read_table(path, TRAINING_TASKS)
+
+
+def build_and_write_training_tasks(
+    failures: pa.Table, settings: TrainingTaskConfig = TrainingTaskConfig(), home: Home | None = None
+) -> tuple[TrainingTaskSet, Path]:
+    """Build the next task set from the current failures and write it (atomically)."""
+    h = home or default_home()
+    pointer = _pointer(h)
+    failures_version = table_hash(failures.combine_chunks())
+    previous_path = None
+    if pointer is not None:
+        same_input = pointer.get("failures_version") == failures_version
+        previous_path = pointer.get("previous_path") if same_input else pointer["path"]
+    previous = read_training_tasks(Path(previous_path)) if previous_path else None
+    task_set = build_training_tasks(failures, previous, settings)
+    folder = h.data / "training_tasks"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"tasks-{task_set.data_version}.parquet"
+    tmp = folder / f".{path.name}.tmp"
+    pq.write_table(task_set.table, tmp, use_compliant_nested_type=False)
+    os.replace(tmp, path)
+    new_pointer = {"path": str(path), "data_version": task_set.data_version, "failures_version": failures_version, "previous_path": previous_path}
+    tmp = folder / ".current.json.tmp"
+    tmp.write_text(json.dumps(new_pointer, indent=1))
+    os.replace(tmp, folder / "current.json")
+    return task_set, path
+
+
+def _pointer(home: Home | None) -> dict | None:
+    path = (home or default_home()).data / "training_tasks" / "current.json"
+    return json.loads(path.read_text()) if path.exists() else None
