@@ -13,6 +13,7 @@ from ops.harvest.harvester import HarvestConfig, harvest, read_failures
 from ops.common.paths import home
 from ops.tasks.task_world import BOOTSTRAP_FAMILIES, FAMILIES, calc, generate_tasks
 from ops.harvest.contract import write_traces
+from ops.evaluate.sets import EvalConfig, eval_sets
 from ops.tasks.training_tasks import (
     TrainingTaskConfig,
     build_and_write_training_tasks,
@@ -21,11 +22,11 @@ from ops.tasks.training_tasks import (
     is_held_out,
     read_training_tasks,
     split_of,
-    standard_eval_sets,
     training_tasks_version,
 )
 
 SETTINGS = HarvestConfig(known_model_versions=frozenset({"1"}))
+EVAL = EvalConfig(target_per_family=20, guard_per_family=20, production_tasks=20)  # the eval sets a cycle uses
 
 
 def failure(i: int, task, **overrides) -> dict:
@@ -96,9 +97,10 @@ def test_held_out_tasks_are_never_trained_on(perpetua_home):
     train = {r["task_id"] for r in task_set.table.to_pylist() if r["split"] == "train"}
     held = {r["task_id"] for r in task_set.table.to_pylist() if r["split"] == "heldout"}
     assert train and held and not train & held
-    eval_sets = standard_eval_sets(task_set, n_per_family=20)
-    assert set(eval_sets) == {"bootstrap", "drift", "harvested_heldout"}
-    for name, tasks_ in eval_sets.items():
+    sets = eval_sets(EVAL, task_set.tasks("heldout"))
+    assert set(sets) == {"target", "guard", "production"}
+    assert held <= {x.task_id for x in sets["target"]}  # every held-out failure is evaluated on
+    for name, tasks_ in sets.items():
         ids = {x.task_id for x in tasks_}
         assert ids and not ids & train, name
         assert all(is_held_out(i) for i in ids), name
@@ -106,7 +108,7 @@ def test_held_out_tasks_are_never_trained_on(perpetua_home):
     land_failures(generate_tasks("mod", 40, seed=9), start=10_000)
     second, _ = build_and_write_training_tasks(read_failures())
     train2 = {r["task_id"] for r in second.table.to_pylist() if r["split"] == "train"}
-    for tasks_ in standard_eval_sets(second, n_per_family=20).values():
+    for tasks_ in eval_sets(EVAL, second.tasks("heldout")).values():
         assert not {x.task_id for x in tasks_} & train2
 
 

@@ -13,8 +13,6 @@ megatron-core targets GPUs. Three adaptations let the same model code run on a C
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
@@ -69,10 +67,3 @@ def cpu_layer_spec(spec):
     """The local layer spec with its core attention replaced by SDPACoreAttention."""
     spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
     return spec
-
-
-@functools.cache
-def _warn_once() -> None:
-    import warnings
-
-    warnings.warn("megatron-core is running on CPU with Perpetua's CPU adaptations (ops/policy/megatron_cpu.py)")

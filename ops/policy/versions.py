@@ -3,7 +3,6 @@ of the learner's K-th step. One lookup for every stage that loads a policy by ve
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -34,9 +33,3 @@ def latest_version(h: Home | None = None) -> int:
     if not versions:
         raise FileNotFoundError("no policy has been exported yet: materialize base_policy first")
     return versions[-1]
-
-
-def version_of(model_dir: Path) -> int | None:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    v = cfg.get("perpetua_policy_version")
-    return None if v is None else int(v)

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ops.common.paths import Home, home as default_home
 from ops.common.tables import read_table, table_hash
-from ops.tasks.task_world import BOOTSTRAP_FAMILIES, DRIFT_FAMILIES, FAMILIES, Task, ToolError, calc, generate_tasks, normalize_question
+from ops.tasks.task_world import BOOTSTRAP_FAMILIES, FAMILIES, Task, ToolError, calc, generate_tasks, normalize_question
 
 TRAINING_TASKS_VERSION = "1"
 TRAINING_TASKS_CODE_VERSION = "training-tasks-1"  # bump when the same failures give other tasks
@@ -156,15 +156,6 @@ def eval_tasks(families: list[str], n_per_family: int, seed: int = EVAL_SEED, he
         pool = generate_tasks(fam, max(n_per_family * 10, 50), seed)
         out += [t for t in pool if is_held_out(t.task_id, heldout_fraction)][:n_per_family]
     return out
-
-
-def standard_eval_sets(task_set: TrainingTaskSet | None = None, n_per_family: int = 32) -> dict[str, list[Task]]:
-    """The eval sets every cycle reports: bootstrap and drift families (held-out tasks) and the
-    held-out production failures of the current task set."""
-    sets = {"bootstrap": eval_tasks(BOOTSTRAP_FAMILIES, n_per_family), "drift": eval_tasks(DRIFT_FAMILIES, n_per_family)}
-    if task_set is not None:
-        sets["harvested_heldout"] = task_set.tasks("heldout")
-    return sets
 
 
 # ---- the builder ------------------------------------------------------------------------------
