@@ -1,5 +1,7 @@
-"""The `perpetua` command line (DESIGN.md). Each subcommand lives in `pipelines/commands/<name>.py`
-and exposes `add_arguments(parser)` and `run(args) -> int`; this file only dispatches.
+"""The `perpetua` command line of Perpetua (commands and JSON keys: docs/architecture.md).
+
+Each subcommand lives in `pipelines/commands/<name>.py` and exposes `add_arguments(parser)` and
+`run(args) -> int`; this file only dispatches.
 
 A user mistake raises `UserError` and is printed as one line with exit code 2, never a traceback.
 """

@@ -1,8 +1,8 @@
 """Schedules: harvest the landing zone every few minutes; a full eval every night.
 
-Both reference jobs by name (the lead defines `harvest`, selecting production_traces and
-harvested_failures, and `nightly_eval`). Stopped by default: switch them on in the UI or
-with `dagster schedule start`; `perpetua demo` switches them on when its cycles are done
+Both reference jobs of pipelines/jobs.py by name: `harvest` (production_traces and
+harvested_failures) and `nightly_eval`. Stopped by default: switch them on in the UI or with
+`dagster schedule start`; `perpetua demo` switches them on when its cycles are done
 (pipelines/automation.py), so the daemon carries the loop on.
 """
 

@@ -1,4 +1,4 @@
-"""The install leaves out PyPI's CUDA torchvision (FIELD_NOTES), so transformers' model classes import."""
+"""The install leaves out PyPI's CUDA torchvision (docs/engines.md), so transformers' model classes import."""
 
 import importlib.util
 

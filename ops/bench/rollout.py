@@ -123,7 +123,7 @@ def run_bench(
     repeats: int = 3,
     engine_config: EngineConfig | None = None,
 ) -> dict:
-    """Run the benchmark; returns the `bench --json` dict (DESIGN.md: name, ratio, baseline, candidate)."""
+    """Run the benchmark; returns the `bench --json` dict (docs/architecture.md: name, ratio, baseline, candidate)."""
     from ops.rollout.offline import OfflineEngine
 
     work = Path(tempfile.mkdtemp(prefix="perpetua-bench-rollout-"))

@@ -105,7 +105,7 @@ def _swe(sandbox: Sandbox, n: int, workers: int) -> dict:
 
 
 def run_bench(n_episodes: int = 60, n_swe: int = 4, repeats: int = 5, workers: int | None = None) -> dict:
-    """The bench JSON (DESIGN.md: name, ratio, baseline, candidate, plus details)."""
+    """The bench JSON (docs/architecture.md: name, ratio, baseline, candidate, plus details)."""
     sandbox = Sandbox()
     workers = workers or default_workers()
     rows, tasks = _episodes(n_episodes)

@@ -1,4 +1,4 @@
-"""Where state lives: everything a run writes goes under PERPETUA_HOME (DESIGN.md, fixed)."""
+"""Where state lives: everything a run writes goes under PERPETUA_HOME (a fixed contract: docs/architecture.md)."""
 
 from __future__ import annotations
 

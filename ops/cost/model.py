@@ -14,7 +14,7 @@ Every stage runs inside a `StageMeter`, which measures what the stage used:
 A `PriceTable` turns the measurements into dollars. Dollars are recomputed from the raw
 measurements whenever prices change, so a cycle's cost can be re-priced after the fact.
 
-Intelligence per dollar (DESIGN.md): for a cycle, (candidate score - champion score on the
+Intelligence per dollar (docs/architecture.md): for a cycle, (candidate score - champion score on the
 target eval set) / dollars spent in the cycle; over a campaign, (latest deployed champion
 score - first champion score) / total spend. Scores are pass@1 fractions, so the unit is
 "pass@1 per dollar" (multiply by 100 for points per dollar).

@@ -95,8 +95,8 @@ def read_batch_tables(rollout_paths: list[Path], reward_paths: list[Path]) -> tu
 
 
 def batch_id(rollouts: pa.Table, rewards: pa.Table) -> str:
-    """Identity of a verified batch: the same tables give the same id (used to make a re-run of
-    the same step idempotent)."""
+    """Identity of a verified batch: the same tables give the same id, which makes a re-run of
+    the same step idempotent."""
     return hashlib.sha256(f"{table_hash(rollouts)}:{table_hash(rewards)}".encode()).hexdigest()[:16]
 
 

@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rank = int(os.environ.get("RANK", "0"))
     pipes_cm = contextlib.nullcontext(None)
-    if rank == 0 and "DAGSTER_PIPES_CONTEXT" in os.environ:  # only rank 0 talks to Dagster (FIELD_NOTES)
+    if rank == 0 and "DAGSTER_PIPES_CONTEXT" in os.environ:  # only rank 0 talks to Dagster (docs/engines.md)
         from dagster_pipes import open_dagster_pipes
 
         pipes_cm = open_dagster_pipes()

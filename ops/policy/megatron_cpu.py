@@ -1,7 +1,7 @@
 """Everything megatron-core needs to run without CUDA, in one place.
 
 megatron-core targets GPUs. Three adaptations let the same model code run on a CPU-only torch
-(FIELD_NOTES.md); each is applied only when CUDA is absent, so the CUDA path stays stock:
+(docs/engines.md); each is applied only when CUDA is absent, so the CUDA path stays stock:
 
 1. `torch.cuda.current_device()` is called to place router weights, RoPE buffers and expert
    weights; on CPU torch it raises. It returns the CPU device instead.

@@ -115,7 +115,7 @@ class SandboxResult:
         return self.outcome is Outcome.PASS
 
     def to_json(self) -> dict:
-        """The `perpetua sandbox --json` object: the fixed keys first (DESIGN.md), then extras."""
+        """The `perpetua sandbox --json` object: the fixed keys first (docs/architecture.md), then extras."""
         d = asdict(self)
         d["outcome"] = self.outcome.value
         fixed = {k: d.pop(k) for k in ("outcome", "exit_code", "seconds", "stdout", "stderr")}

@@ -12,7 +12,7 @@ weights; generations "change" only because the model broke).
 every CPU unquantized MoE layer. Elsewhere (CUDA) it is exactly `reload_weights`. The engine
 loads this class with `worker_extension_cls` (ops.rollout.vllm_engine), and callers reach it through
 `collective_rpc("reload_weights_repacked", kwargs={"weights_path": DIR})`, offline or on a
-server's `/collective_rpc`. (The name must not clash with a worker method: FIELD_NOTES.)
+server's `/collective_rpc`. (The name must not clash with a worker method: docs/engines.md.)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The embedded default's task world: a tool-using calculator agent (DESIGN.md).
+"""The embedded default's task world: a tool-using calculator agent (docs/architecture.md).
 
 A task asks an arithmetic question. The agent answers in lines, one action per line:
 
