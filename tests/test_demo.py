@@ -27,7 +27,7 @@ perpetua_cycle:
     eval_report: {config: {target_per_family: 8, guard_per_family: 8, production_tasks: 8}}
 """
 
-# DESIGN.md, `demo --summary FILE` (fixed keys).
+# docs/architecture.md, `demo --summary FILE` (fixed keys).
 CYCLE_KEYS = {"cycle", "failures_harvested", "rollouts", "mean_reward", "champion_score", "candidate_score", "gain_ci",
               "deployed", "cost_usd", "intelligence_per_dollar", "policy_version", "dagster_run_id", "mlflow_run_id"}
 

@@ -8,12 +8,12 @@ Why it is shaped like this:
   an older model's lineage. `pipelines.audit` reads the tags from the Dagster instance; this
   module only holds the data model, the JSON shape and the checks (no Dagster import).
 - *A gap is reported, not papered over.* An upstream that was never materialized before the
-  downstream ran, an event that is gone, or a table no longer on disk becomes a `Missing`
+  downstream ran, an event that is gone, or a table missing from disk becomes a `Missing`
   entry and makes the audit incomplete; the walk carries on with what it can reach.
 - *Consistent by construction, and checked.* `Audit.problems()` re-checks that every hop's
   data version is the one its downstream hop recorded as input.
 
-The JSON shape (`perpetua audit --json`, DESIGN.md; the first three keys are fixed):
+The JSON shape (`perpetua audit --json`, docs/architecture.md; the first three keys are fixed):
     {"model_version", "hops": [{"asset_key", "dagster_run_id", "data_version", "code_version",
      "mlflow_run_id", ...}], "trace_ids": [...], "registered_model", "alias", "policy_version",
      "verifier_versions", "complete", "missing": [{"asset_key", "needed_by", "data_version",
