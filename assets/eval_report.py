@@ -1,44 +1,62 @@
-"""`eval_report`: candidate vs champion on the same eval sets, engine and settings; and the
-deploy gate, a blocking check that stops the run before `deployment` unless the candidate is
-significantly better on the target set and does not regress on the guard set."""
+"""`eval_report`: candidate vs champion on the same eval sets, engine and settings; and the deploy
+gate, a blocking check that stops the run before `deployment` unless the candidate is better on
+the deciding set (no policy's outcomes chose it) and non-inferior on every guard family against
+both the champion and the base policy (ops/evaluate/gate.py).
 
-import json
+In the `nightly_eval` job it evaluates the serving champion alone and writes a champion report:
+no candidate, no gate, no cycle (ops/evaluate/report.py).
+"""
+
+from collections import Counter
 
 import dagster as dg
 
 from assets.cycle import cycle_of
 from assets.cycle_run import cycle_run_id
 from assets.metering import cost_metadata, metered
-from ops.cost import cycle_costs
-from ops.policy import versions as policies
-from ops.deploy import registry
-from ops.common import tracking
-from ops.cost.model import Campaign, CycleRecord
-from ops.evaluate.gate import GateConfig, decide
-from ops.cost.plot import save_ipd_plot
-from ops.common.tables import REWARDS, ROLLOUTS, read_table, table_hash
-from ops.reward.scoring import rewards_path, rollouts_path
-from ops.evaluate.sets import EvalConfig, eval_sets, evaluate_policy
-from ops.common.paths import home
-from ops.policy.tokenizer import load_hf_tokenizer
-from ops.tasks.training_tasks import current_training_tasks_path, read_training_tasks
-from ops.tasks.task_world import Task
 from assets.resources import MlflowTracking, PolicyServer
+from ops.common import tracking
+from ops.common.paths import home
+from ops.common.tables import REWARDS, ROLLOUTS, read_table, table_hash
+from ops.cost import cycle_costs
+from ops.cost.model import Campaign, CycleRecord
+from ops.cost.plot import save_ipd_plot
+from ops.deploy import registry
+from ops.evaluate import report as reports
+from ops.evaluate.gate import GateConfig, decide
+from ops.evaluate.sets import EvalConfig, EvalSets, PolicyEval, eval_sets, evaluate_policy
+from ops.policy import versions as policies
+from ops.policy.tokenizer import load_hf_tokenizer
+from ops.reward.scoring import rewards_path, rollouts_path
+from ops.tasks.task_world import Task
+from ops.tasks.training_tasks import current_training_tasks_path, read_training_tasks
 
-CODE_VERSION = "eval_report-1"
+CODE_VERSION = "eval_report-2"
+NIGHTLY_EVAL_JOB = "nightly_eval"
+REFERENCE_VERSION = 0  # the guard's fixed reference: the base policy
 
 
 class EvalReportConfig(dg.Config):
-    target_per_family: int = 40
-    guard_per_family: int = 30
+    drift_per_family: int = 40
+    failure_family_tasks: int = 60
     production_tasks: int = 60
+    guard_per_family: int = 30
     samples: int = 1
     alpha: float = 0.05
-    guard_tolerance: float = 0.05
+    min_gain: float = 0.0
+    guard_margin: float = 0.1
+
+    def eval_config(self) -> EvalConfig:
+        return EvalConfig(drift_per_family=self.drift_per_family, failure_family_tasks=self.failure_family_tasks,
+                          production_tasks=self.production_tasks, guard_per_family=self.guard_per_family,
+                          samples=self.samples, temperature=0.0 if self.samples == 1 else 1.0)
+
+    def gate_config(self) -> GateConfig:
+        return GateConfig(alpha=self.alpha, min_gain=self.min_gain, guard_margin=self.guard_margin)
 
 
 def report_path(cycle: int):
-    return home().data / "eval_report" / f"cycle={cycle}.json"
+    return reports.cycle_report_path(home().data, cycle)
 
 
 def champion_policy_version(uri: str) -> tuple[str | None, int]:
@@ -50,11 +68,14 @@ def champion_policy_version(uri: str) -> tuple[str | None, int]:
     return version, int(tags.get("perpetua.policy_version", 0))
 
 
-def harvested_heldout() -> list[Task]:
+def harvested() -> tuple[Counter, list[Task]]:
+    """The harvested failures' family counts (they weight the deciding set's families) and the
+    held-out harvested tasks (the reported known-failures slice)."""
     path = current_training_tasks_path()
     if path is None:
-        return []
-    return [Task.from_dict(r) for r in read_training_tasks(path).to_pylist() if r["split"] == "heldout"]
+        return Counter(), []
+    rows = [r for r in read_training_tasks(path).to_pylist() if r["source"] == "failure"]
+    return Counter(r["family"] for r in rows), [Task.from_dict(r) for r in rows if r["split"] == "heldout"]
 
 
 @dg.asset(
@@ -65,82 +86,58 @@ def harvested_heldout() -> list[Task]:
 )
 def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, trainer_server: PolicyServer,
                 mlflow: MlflowTracking) -> dg.MaterializeResult:
-    """pass@1 (and pass@k) with Wilson intervals per set and family for candidate and champion,
-    the versioned eval sets, the cycle's measured cost and its intelligence per dollar."""
-    cycle = cycle_of(context)
+    """Paired pass@1 on the deciding set, guard families against the champion and the base policy,
+    the known-failures slice, the cycle's measured cost and its intelligence per dollar."""
     uri = mlflow.uri()
-    candidate = policies.latest_version()
     champion_registry_version, champion = champion_policy_version(uri)
-    cfg = EvalConfig(target_per_family=config.target_per_family, guard_per_family=config.guard_per_family,
-                     production_tasks=config.production_tasks, samples=config.samples,
-                     temperature=0.0 if config.samples == 1 else 1.0)
-    sets = eval_sets(cfg, harvested_heldout())
-    tokenizer = load_hf_tokenizer(policies.hf_dir(candidate))
-    with metered("eval", cycle, [trainer_server.server_pid()]) as meter:
-        engine = trainer_server.engine(policies.hf_dir(champion), champion)
-        champ = evaluate_policy(engine, tokenizer, policies.hf_dir(champion), champion, sets, cfg)
-        cand = evaluate_policy(engine, tokenizer, policies.hf_dir(candidate), candidate, sets, cfg)
-        meter.add_tokens(champ.tokens + cand.tokens)
-    gate = GateConfig(alpha=config.alpha, guard_tolerance=config.guard_tolerance)
-    decision = decide(cand.scores["target"], champ.scores["target"], cand.scores["guard"], champ.scores["guard"], gate)
+    sets = eval_sets(config.eval_config(), *harvested())
+    if context.run.job_name == NIGHTLY_EVAL_JOB:
+        return _champion_check(context, config, trainer_server, uri, champion, champion_registry_version, sets)
+    cycle = cycle_of(context)
+    candidate = policies.latest_version()
+    with metered("evaluate", cycle, [trainer_server.server_pid()]) as meter:
+        champ, cand, ref = _score_policies(trainer_server, config.eval_config(), sets, champion, candidate)
+        meter.add_tokens(champ.tokens + cand.tokens + (ref.tokens if ref else 0))
+    gate = config.gate_config()
+    decision = decide(cand.samples["deciding"], champ.samples["deciding"], cand.samples["guard"],
+                      champ.samples["guard"], (ref or champ).samples["guard"], gate)
     cost = cycle_costs.total(home().data, cycle)
-    record = CycleRecord(cycle, champ.scores["target"].pass_at_1, cand.scores["target"].pass_at_1, cost.dollars,
-                         deployed=False, champion_ci=(champ.scores["target"].ci_lo, champ.scores["target"].ci_hi),
-                         candidate_ci=(cand.scores["target"].ci_lo, cand.scores["target"].ci_hi),
-                         eval_set_hash=cand.scores["target"].eval_set_hash)
-    report = {
-        "cycle": cycle, "candidate_version": candidate, "champion_version": champion,
-        "champion_registry_version": champion_registry_version,
-        "candidate": {k: v.model_dump() for k, v in cand.scores.items()},
-        "champion": {k: v.model_dump() for k, v in champ.scores.items()},
-        "gate": decision.metadata(), "gate_config": gate.model_dump(),
-        "cost": cost.to_dict(), "intelligence_per_dollar": record.ipd,
-        "eval_sets": {k: [t.task_id for t in v] for k, v in sets.items()},
-    }
-    path = report_path(cycle)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=str))
+    d_c, d_k = cand.scores["deciding"], champ.scores["deciding"]
+    record = CycleRecord(cycle, d_k.pass_at_1, d_c.pass_at_1, cost.dollars, deployed=False,
+                         champion_ci=(d_k.ci_lo, d_k.ci_hi), candidate_ci=(d_c.ci_lo, d_c.ci_hi),
+                         eval_set_hash=d_c.eval_set_hash)
+    report = reports.cycle_report(
+        cycle=cycle, dagster_run_id=context.run_id, candidate=cand, champion=champ, reference=ref,
+        champion_registry_version=champion_registry_version, sets=sets, decision=decision, gate=gate,
+        cost=cost.to_dict(), intelligence_per_dollar=record.ipd)
+    path = reports.write_report(report_path(cycle), report)
+    context.log.info("\n".join(decision.reasons))
 
     parent = cycle_run_id(context, uri, mlflow.experiment, cycle)
-    with tracking.stage_run(uri, parent, "eval", tags=tracking.dagster_tags(context.run_id, "eval_report"),
-                            params={"policy_version_in": champion, "policy_version_out": candidate}) as log:
-        for who, ev in (("candidate", cand), ("champion", champ)):
-            log.log_metrics({f"{who}.{s}.pass_at_1": v.pass_at_1 for s, v in ev.scores.items()}, step=cycle)
-        log.log_dict(report, f"eval/cycle-{cycle}.json")
-        for table, schema, context_name in ((rollouts_path, ROLLOUTS, "training"), (rewards_path, REWARDS, "training")):
-            path_t = table(home().data, cycle)
-            if path_t.exists():
-                t = read_table(path_t, schema)
-                log.log_dataset(t.to_pandas(), path_t, name=f"{schema.metadata[b'perpetua.table'].decode()}-cycle{cycle}",
-                                context=context_name, digest=table_hash(t))
-        model_id = log.log_checkpoint(
-            f"policy-v{candidate}", step=cycle, params={"policy_version": candidate, "cycle": cycle},
-            metrics={f"{s}.pass_at_1": v.pass_at_1 for s, v in cand.scores.items()},
-            tags={"perpetua.hf_dir": str(policies.hf_dir(candidate))})
-        eval_run = log.run_id
-    campaign = tracking.load_campaign(uri, mlflow.experiment)
-    campaign = Campaign([r for r in campaign.records if r.cycle != cycle] + [record])
-    tracking.log_cycle_metrics(uri, parent, record, campaign, cost)
-    plot = save_ipd_plot(campaign, path.with_name("intelligence_per_dollar.png"))
-    tracking.RunLog(uri, parent).log_artifact(plot, "plots")
-    t_c, t_k = cand.scores["target"], champ.scores["target"]
+    eval_run, model_id = _log_eval(context, uri, parent, cycle, report, cand, champ)
+    plot = _log_campaign(uri, mlflow.experiment, parent, record, cost, path)
     return dg.MaterializeResult(
         metadata={
             "cycle": cycle,
-            "candidate_version": candidate,
-            "champion_version": champion,
-            "candidate_target": dg.MetadataValue.float(t_c.pass_at_1),
-            "champion_target": dg.MetadataValue.float(t_k.pass_at_1),
-            "candidate_target_ci": [t_c.ci_lo, t_c.ci_hi],
-            "champion_target_ci": [t_k.ci_lo, t_k.ci_hi],
+            "candidate_version": cand.policy_version,
+            "champion_version": champ.policy_version,
+            "candidate_score": dg.MetadataValue.float(d_c.pass_at_1),
+            "champion_score": dg.MetadataValue.float(d_k.pass_at_1),
+            "candidate_ci": [d_c.ci_lo, d_c.ci_hi],
+            "champion_ci": [d_k.ci_lo, d_k.ci_hi],
             "gain": dg.MetadataValue.float(decision.gain),
             "gain_ci": list(decision.gain_ci),
+            "gate_test": decision.gate_test,
+            "deciding_set_size": decision.deciding_set_size,
+            "known_failures_fixed": report["known_failures_fixed"],
             "guard": dg.MetadataValue.json({k: v.scores["guard"].pass_at_1 for k, v in (("candidate", cand), ("champion", champ))}),
-            "production": dg.MetadataValue.json({k: v.scores["production"].pass_at_1 for k, v in (("candidate", cand), ("champion", champ))}),
-            "per_family_candidate": dg.MetadataValue.json({s: {f: x.pass_at_1 for f, x in v.per_family.items()} for s, v in cand.scores.items()}),
+            "production": dg.MetadataValue.json({k: report[k].get("deciding/production", {}).get("pass_at_1")
+                                                 for k in ("candidate", "champion")}),
+            "per_family_candidate": dg.MetadataValue.json({s: {f: x.pass_at_1 for f, x in v.per_family.items()}
+                                                           for s, v in cand.scores.items()}),
             "gate_passed": decision.passed,
             "gate_reasons": dg.MetadataValue.md("\n".join(f"- {r}" for r in decision.reasons)),
-            "eval_set_hashes": dg.MetadataValue.json({k: v.eval_set_hash for k, v in cand.scores.items()}),
+            "eval_set_hashes": dg.MetadataValue.json(report["eval_set_hashes"]),
             "cycle_cost_usd": dg.MetadataValue.float(cost.dollars),
             "intelligence_per_dollar": dg.MetadataValue.float(record.ipd),
             "mlflow_run_id": parent,
@@ -151,23 +148,94 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
             "mlflow_logged_model_id": model_id,
             **cost_metadata(meter),
         },
-        data_version=dg.DataVersion(f"c{cycle}-v{candidate}-vs-v{champion}-{t_c.eval_set_hash}"),
+        data_version=dg.DataVersion(f"c{cycle}-v{cand.policy_version}-vs-v{champ.policy_version}-{d_c.eval_set_hash}"),
     )
 
 
-@dg.asset_check(asset=eval_report, blocking=True, description="Deploy gate: significantly better on the target set, no regression on the guard set.")
+def _score_policies(server: PolicyServer, cfg: EvalConfig, sets: EvalSets, champion: int, candidate: int
+                    ) -> tuple[PolicyEval, PolicyEval, PolicyEval | None]:
+    """Champion and candidate on every set; the reference (base policy) on the guard set, unless
+    it is the champion."""
+    tokenizer = load_hf_tokenizer(policies.hf_dir(candidate))
+    engine = server.engine(policies.hf_dir(champion), champion)
+    champ = evaluate_policy(engine, tokenizer, policies.hf_dir(champion), champion, sets.sets, cfg)
+    cand = evaluate_policy(engine, tokenizer, policies.hf_dir(candidate), candidate, sets.sets, cfg)
+    ref = None
+    if champion != REFERENCE_VERSION:
+        ref = evaluate_policy(engine, tokenizer, policies.hf_dir(REFERENCE_VERSION), REFERENCE_VERSION,
+                              {"guard": sets.sets["guard"]}, cfg)
+    return champ, cand, ref
+
+
+def _log_eval(context, uri: str, parent: str, cycle: int, report: dict, cand: PolicyEval, champ: PolicyEval
+              ) -> tuple[str, str]:
+    """The eval stage's MLflow run: scores, the report, the cycle's datasets, the candidate checkpoint."""
+    data = home().data
+    with tracking.stage_run(uri, parent, "evaluate", tags=tracking.dagster_tags(context.run_id, "eval_report"),
+                            params={"policy_version_in": champ.policy_version, "policy_version_out": cand.policy_version}) as log:
+        for who, ev in (("candidate", cand), ("champion", champ)):
+            log.log_metrics({f"{who}.{s}.pass_at_1": v.pass_at_1 for s, v in ev.scores.items()}, step=cycle)
+        log.log_dict(report, f"eval/cycle-{cycle}.json")
+        for table, schema in ((rollouts_path, ROLLOUTS), (rewards_path, REWARDS)):
+            path_t = table(data, cycle)
+            if path_t.exists():
+                t = read_table(path_t, schema)
+                log.log_dataset(t.to_pandas(), path_t, name=f"{schema.metadata[b'perpetua.table'].decode()}-cycle{cycle}",
+                                context="training", digest=table_hash(t))
+        model_id = log.log_checkpoint(
+            f"policy-v{cand.policy_version}", step=cycle, params={"policy_version": cand.policy_version, "cycle": cycle},
+            metrics={f"{s}.pass_at_1": v.pass_at_1 for s, v in cand.scores.items()},
+            tags={"perpetua.hf_dir": str(policies.hf_dir(cand.policy_version))})
+        return log.run_id, model_id
+
+
+def _log_campaign(uri: str, experiment: str, parent: str, record: CycleRecord, cost, report_file):
+    """The cycle's record in the campaign (replacing an earlier eval of the same cycle) and the
+    intelligence-per-dollar plot."""
+    campaign = tracking.load_campaign(uri, experiment)
+    campaign = Campaign([r for r in campaign.records if r.cycle != record.cycle] + [record])
+    tracking.log_cycle_metrics(uri, parent, record, campaign, cost)
+    plot = save_ipd_plot(campaign, report_file.with_name("intelligence_per_dollar.png"))
+    tracking.RunLog(uri, parent).log_artifact(plot, "plots")
+    return plot
+
+
+def _champion_check(context, config: EvalReportConfig, server: PolicyServer, uri: str, champion: int,
+                    champion_registry_version: str | None, sets: EvalSets) -> dg.MaterializeResult:
+    """The scheduled eval of the serving champion: its own report kind, no cycle, no campaign record."""
+    tokenizer = load_hf_tokenizer(policies.hf_dir(champion))
+    engine = server.engine(policies.hf_dir(champion), champion)
+    champ = evaluate_policy(engine, tokenizer, policies.hf_dir(champion), champion, sets.sets, config.eval_config())
+    report = reports.champion_report(dagster_run_id=context.run_id, champion=champ,
+                                     champion_registry_version=champion_registry_version, sets=sets)
+    path = reports.write_report(reports.champion_report_path(home().data, context.run_id), report)
+    return dg.MaterializeResult(
+        metadata={"kind": reports.CHAMPION, "champion_version": champion,
+                  "champion_score": dg.MetadataValue.float(champ.scores["deciding"].pass_at_1),
+                  "known_failures_fixed": report["known_failures_fixed"],
+                  "eval_set_hashes": dg.MetadataValue.json(report["eval_set_hashes"]),
+                  "report": dg.MetadataValue.path(str(path))},
+        data_version=dg.DataVersion(f"champion-v{champion}-{champ.scores['deciding'].eval_set_hash}"),
+    )
+
+
+@dg.asset_check(asset=eval_report, blocking=True,
+                description="Deploy gate: better on the deciding set (paired test), every guard family non-inferior "
+                            "to the champion and the base policy.")
 def deploy_gate(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+    if context.run.job_name == NIGHTLY_EVAL_JOB:
+        return dg.AssetCheckResult(passed=True, metadata={"reason": "scheduled champion eval: no candidate to gate"})
     cycle = cycle_of(context)
-    path = report_path(cycle)
-    if not path.exists():
-        return dg.AssetCheckResult(passed=False, severity=dg.AssetCheckSeverity.ERROR,
-                                   metadata={"reason": f"no eval report for cycle {cycle}"})
-    report = json.loads(path.read_text())
+    try:
+        report = reports.read_cycle_report(home().data, cycle, {context.run_id})
+    except reports.ReportError as e:
+        return dg.AssetCheckResult(passed=False, severity=dg.AssetCheckSeverity.ERROR, metadata={"reason": str(e)})
     gate = report["gate"]
     return dg.AssetCheckResult(
         passed=bool(gate["passed"]),
         severity=dg.AssetCheckSeverity.ERROR,
-        metadata={"reasons": dg.MetadataValue.md(gate["reasons"]),
-                  "gain": gate["gain"], "p_value": gate["p_value"], "cycle": cycle,
+        metadata={"reasons": dg.MetadataValue.md(gate["reasons"]), "gate_test": gate["gate_test"],
+                  "gain": gate["gain"], "gain_ci": gate["gain_ci"], "p_value": gate["p_value"], "cycle": cycle,
+                  "failed_guard_families": gate["guard_failed_families"],
                   "candidate_version": report["candidate_version"], "champion_version": report["champion_version"]},
     )

@@ -17,7 +17,7 @@ JOB_ASSETS: dict[str, tuple[list[str], str]] = {
     ),
     "harvest": (["production_traces", "harvested_failures"], "Harvest new production failures from the landing zone (and MLflow traces)."),
     "bootstrap": (["base_policy"], "Train the base policy (cached when config and code are unchanged)."),
-    "nightly_eval": (["eval_report"], "Full evaluation of the current candidate against the champion."),
+    "nightly_eval": (["eval_report"], "Scheduled evaluation of the serving champion on the current eval sets (a champion report: no candidate, no gate, no cycle)."),
 }
 
 

@@ -57,7 +57,7 @@ def test_one_cycle_through_dagster(perpetua_home, base_policy_dir, monkeypatch):
                                                       "verified_rewards", "policy_checkpoint", "eval_report", "deployment")]
         checks = list(defs.get_repository_def().asset_checks_defs_by_key.values())
         run_config = {"ops": {"rollouts": {"config": {"max_tasks": 16, "group_size": 4}},
-                              "eval_report": {"config": {"target_per_family": 6, "guard_per_family": 6, "production_tasks": 6}}}}
+                              "eval_report": {"config": {"drift_per_family": 6, "guard_per_family": 6, "production_tasks": 6}}}}
         with dg.instance_for_test() as instance:
             result = dg.materialize(job_assets + checks, resources=resources, instance=instance, run_config=run_config,
                                     tags={"perpetua/cycle": "1"}, raise_on_error=False)
@@ -83,7 +83,7 @@ def test_one_cycle_through_dagster(perpetua_home, base_policy_dir, monkeypatch):
             parent = c.get_run(report["mlflow_run_id"])
             children = c.search_runs([parent.info.experiment_id],
                                      filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
-            assert {r.data.tags.get("perpetua.stage") for r in children} >= {"policy_checkpoint", "eval"}
+            assert {r.data.tags.get("perpetua.stage") for r in children} >= {"policy_checkpoint", "evaluate"}
             assert "intelligence_per_dollar" in parent.data.metrics
             eval_run = c.get_run(report["mlflow_eval_run_id"])
             datasets = {d.dataset.name for d in eval_run.inputs.dataset_inputs}

@@ -24,7 +24,7 @@ bootstrap:
 perpetua_cycle:
   ops:
     rollouts: {config: {max_tasks: 16, group_size: 4}}
-    eval_report: {config: {target_per_family: 8, guard_per_family: 8, production_tasks: 8}}
+    eval_report: {config: {drift_per_family: 8, guard_per_family: 8, production_tasks: 8}}
 """
 
 # docs/architecture.md, `demo --summary FILE` (fixed keys).

@@ -9,9 +9,7 @@ import pytest
 from ops.evaluate.statistics import (
     EvalStatsError,
     TaskSamples,
-    difference_interval,
     eval_set_hash,
-    one_sided_z_test,
     pass_at_k,
     pass_at_k_task,
     samples_from_rows,
@@ -107,22 +105,3 @@ def test_samples_from_rows_groups_and_validates():
         samples_from_rows([{"task_id": "t1", "family": "add"}])
     with pytest.raises(EvalStatsError, match="families"):
         samples_from_rows(rows + [{"task_id": "t1", "family": "mod", "passed": True}])
-
-
-def test_one_sided_z_test_hand_value_and_direction():
-    # 60/100 vs 45/100: pooled 0.525, se = sqrt(0.525*0.475*0.02) = 0.0706222, z = 2.12398,
-    # p = 1 - Phi(2.12398) = 0.016836.
-    assert one_sided_z_test(60, 100, 45, 100) == pytest.approx(0.016836, abs=1e-5)
-    assert one_sided_z_test(45, 100, 60, 100) == pytest.approx(1 - 0.016836, abs=1e-5)
-    assert one_sided_z_test(50, 100, 50, 100) == pytest.approx(0.5)
-    assert one_sided_z_test(0, 50, 0, 50) == 1.0  # degenerate: no evidence
-    assert one_sided_z_test(50, 50, 50, 50) == 1.0
-
-
-def test_difference_interval_newcombe_published_example():
-    # Newcombe (1998), example (e): 56/70 - 48/80, method 10: 0.0524 to 0.3339.
-    lo, hi = difference_interval(56, 70, 48, 80)
-    assert lo == pytest.approx(0.0524, abs=1e-4)
-    assert hi == pytest.approx(0.3339, abs=1e-4)
-    lo, hi = difference_interval(10, 10, 0, 10)
-    assert -1.0 <= lo < 1.0 and hi == pytest.approx(1.0)

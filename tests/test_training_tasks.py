@@ -9,7 +9,8 @@ import dagster as dg
 import pyarrow.parquet as pq
 import pytest
 
-from ops.harvest.harvester import HarvestConfig, harvest, read_failures
+from ops.harvest.failures import read_failures
+from ops.harvest.harvester import HarvestConfig, harvest
 from ops.common.paths import home
 from ops.tasks.task_world import BOOTSTRAP_FAMILIES, FAMILIES, calc, generate_tasks
 from ops.harvest.contract import write_traces
@@ -19,14 +20,13 @@ from ops.tasks.training_tasks import (
     build_and_write_training_tasks,
     build_training_tasks,
     ground_truth,
-    is_held_out,
     read_training_tasks,
-    split_of,
     training_tasks_version,
 )
+from ops.tasks.split import is_held_out, split_of
 
 SETTINGS = HarvestConfig(known_model_versions=frozenset({"1"}))
-EVAL = EvalConfig(target_per_family=20, guard_per_family=20, production_tasks=20)  # the eval sets a cycle uses
+EVAL = EvalConfig(drift_per_family=20, guard_per_family=20, production_tasks=20)  # the eval sets a cycle uses
 
 
 def failure(i: int, task, **overrides) -> dict:
@@ -97,9 +97,10 @@ def test_held_out_tasks_are_never_trained_on(perpetua_home):
     train = {r["task_id"] for r in task_set.table.to_pylist() if r["split"] == "train"}
     held = {r["task_id"] for r in task_set.table.to_pylist() if r["split"] == "heldout"}
     assert train and held and not train & held
-    sets = eval_sets(EVAL, task_set.tasks("heldout"))
-    assert set(sets) == {"target", "guard", "production"}
-    assert held <= {x.task_id for x in sets["target"]}  # every held-out failure is evaluated on
+    families = {f: 1 for f in FAMILIES}
+    sets = eval_sets(EVAL, families, task_set.tasks("heldout")).sets
+    assert set(sets) == {"deciding", "guard", "known_failures"}
+    assert held == {x.task_id for x in sets["known_failures"]}  # held-out failures are reported on, not decided on
     for name, tasks_ in sets.items():
         ids = {x.task_id for x in tasks_}
         assert ids and not ids & train, name
@@ -108,7 +109,7 @@ def test_held_out_tasks_are_never_trained_on(perpetua_home):
     land_failures(generate_tasks("mod", 40, seed=9), start=10_000)
     second, _ = build_and_write_training_tasks(read_failures())
     train2 = {r["task_id"] for r in second.table.to_pylist() if r["split"] == "train"}
-    for tasks_ in eval_sets(EVAL, second.tasks("heldout")).values():
+    for tasks_ in eval_sets(EVAL, families, second.tasks("heldout")).sets.values():
         assert not {x.task_id for x in tasks_} & train2
 
 
@@ -161,9 +162,23 @@ def test_assets_materialize_with_lineage(perpetua_home, monkeypatch):
     assert set(spec.kinds) == {"python", "parquet"} and dg.AssetKey("harvested_failures") in {d.asset_key for d in spec.deps}
 
 
-@pytest.mark.parametrize("fraction", [0.0, 0.5])
-def test_heldout_fraction_is_respected(perpetua_home, fraction):
+@pytest.mark.parametrize("fraction", ["0.1", "0.5"])
+def test_heldout_fraction_has_one_source(perpetua_home, monkeypatch, fraction):
+    """PERPETUA_HELDOUT_FRACTION moves the split of training tasks and eval sets together."""
+    monkeypatch.setenv("PERPETUA_HELDOUT_FRACTION", fraction)
     land_failures(generate_tasks("add_words", 80, seed=6))
-    task_set = build_training_tasks(read_failures(), settings=TrainingTaskConfig(heldout_fraction=fraction))
+    task_set = build_training_tasks(read_failures())
     held = task_set.counts["heldout"]
-    assert held == 0 if fraction == 0.0 else 20 < held < 60
+    assert (2 < held < 20) if fraction == "0.1" else (20 < held < 60)
+    train = {r["task_id"] for r in task_set.table.to_pylist() if r["split"] == "train"}
+    for tasks_ in eval_sets(EVAL, {"add_words": 80}, task_set.tasks("heldout")).sets.values():
+        assert all(is_held_out(x.task_id) for x in tasks_) and not {x.task_id for x in tasks_} & train
+
+
+@pytest.mark.parametrize("bad", ["0", "1", "abc", "-0.2"])
+def test_a_bad_heldout_fraction_is_a_clear_error(monkeypatch, bad):
+    from ops.tasks.split import SplitConfigError
+
+    monkeypatch.setenv("PERPETUA_HELDOUT_FRACTION", bad)
+    with pytest.raises(SplitConfigError, match="PERPETUA_HELDOUT_FRACTION"):
+        split_of("some-task")

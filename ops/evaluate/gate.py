@@ -1,42 +1,52 @@
 """The deploy gate: a candidate replaces the champion only if it is better and breaks nothing.
 
-Two questions, two eval sets:
-- Target set (the held-out tasks of the families we are training for): is the candidate better
-  than the champion, beyond noise? One-sided two-proportion z-test at `alpha`, and the point
-  gain must reach `min_gain`.
-- Guard set (what already worked): does the candidate lose more than `guard_tolerance`
-  (absolute pass@1) anywhere we care about? A drop within tolerance is accepted, because a
-  significance test on "no regression" would need far larger sets than a cycle can afford.
+Two questions, each answered by a paired comparison on the same tasks (ops/evaluate/paired.py:
+the exact McNemar test with one sample per task, a task-clustered paired bootstrap otherwise):
+- Deciding set (held-out tasks no policy's outcomes selected): is the candidate better than the
+  champion? Deploy only if the lower bound of the gain's interval is above `min_gain` (0 by
+  default), which is the same as the one-sided test at `alpha` rejecting "no gain".
+- Guard set (the families that already worked), family by family: is the candidate non-inferior,
+  i.e. is the lower bound of its paired difference above -`guard_margin`, both against the
+  current champion and against a fixed reference (the base policy)? Comparing with the champion
+  alone would let every deploy lose a little more; the fixed reference stops that erosion.
 
-Both sets must be the same version (eval_set_hash) for candidate and champion; scores on
-different sets are not comparable and the gate refuses them. `reasons` are sentences for the
-Dagster check's metadata, one per question, so a blocked deploy says why in the UI.
+The sets must be the same for both sides (same task ids); otherwise the scores are not
+comparable and the gate blocks. `reasons` are sentences for the Dagster check's metadata, one per
+question, and name the family that failed.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Sequence
 from typing import Annotated
 
 from pydantic import BaseModel, Field
 
-from ops.evaluate.statistics import EvalScores, difference_interval, one_sided_z_test
+from ops.evaluate.paired import PairedComparison, compare
+from ops.evaluate.statistics import EvalStatsError, TaskSamples, eval_set_hash
 
 
 class GateConfig(BaseModel):
     """Thresholds of the deploy gate."""
 
-    alpha: Annotated[
-        float, Field(gt=0.0, lt=1.0, description="Significance level of the one-sided test on the target set.")
-    ] = 0.05
-    guard_tolerance: Annotated[
-        float, Field(ge=0.0, le=1.0, description="Largest allowed drop of pass@1 on the guard set (absolute).")
-    ] = 0.05
-    min_gain: Annotated[
-        float, Field(ge=0.0, le=1.0, description="Smallest point gain of pass@1 on the target set that deploys.")
-    ] = 0.0
-    ci_confidence: Annotated[
-        float, Field(gt=0.0, lt=1.0, description="Two-sided confidence of the reported gain interval.")
-    ] = 0.95
+    alpha: Annotated[float, Field(gt=0.0, lt=0.5, description="One-sided level of every paired test; "
+                                  "intervals are reported two-sided at 1 - 2 alpha.")] = 0.05
+    min_gain: Annotated[float, Field(ge=0.0, le=1.0, description="Margin the gain's lower bound must exceed "
+                                     "on the deciding set.")] = 0.0
+    guard_margin: Annotated[float, Field(ge=0.0, le=1.0, description="Non-inferiority margin per guard family: "
+                                         "the lower bound of candidate minus champion (and minus the "
+                                         "reference) must be above -guard_margin.")] = 0.1
+
+
+class FamilyGuard(BaseModel):
+    """The non-inferiority verdict of one guard family."""
+
+    family: str
+    n_tasks: int
+    vs_champion: PairedComparison
+    vs_reference: PairedComparison | None
+    passed: bool
 
 
 class GateDecision(BaseModel):
@@ -44,104 +54,108 @@ class GateDecision(BaseModel):
 
     passed: Annotated[bool, Field(description="True: deploy the candidate.")]
     reasons: Annotated[list[str], Field(description="Human-readable sentences, one per check.")]
-    p_value: Annotated[float, Field(description="One-sided p-value of candidate > champion on the target set.")]
-    gain: Annotated[float, Field(description="Candidate minus champion pass@1 on the target set.")]
-    gain_ci: Annotated[tuple[float, float], Field(description="Newcombe hybrid score interval of the gain.")]
-    guard_delta: Annotated[float, Field(description="Candidate minus champion pass@1 on the guard set.")]
-    target_passed: Annotated[bool, Field(description="The target-set check alone.")]
-    guard_passed: Annotated[bool, Field(description="The guard-set check alone.")]
+    gate_test: Annotated[str, Field(description="Name of the paired test used on the deciding set.")]
+    deciding_set_size: Annotated[int, Field(description="Tasks in the deciding set.")]
+    deciding_set_hash: Annotated[str, Field(description="eval_set_hash of the deciding set.")]
+    p_value: Annotated[float, Field(description="One-sided p-value of candidate > champion on the deciding set.")]
+    gain: Annotated[float, Field(description="Candidate minus champion pass@1 on the deciding set.")]
+    gain_ci: Annotated[tuple[float, float], Field(description="Paired two-sided (1 - 2 alpha) interval of the gain.")]
+    deciding_passed: Annotated[bool, Field(description="The deciding-set check alone.")]
+    guard_passed: Annotated[bool, Field(description="The guard check alone (every family).")]
+    guard_failed_families: Annotated[list[str], Field(description="Guard families that were not non-inferior.")]
+    guard: Annotated[list[FamilyGuard], Field(description="Per guard family: the paired comparisons.")]
 
     def metadata(self) -> dict:
-        """Plain JSON values for Dagster check / asset metadata."""
-        d = self.model_dump()
+        """Plain JSON values for Dagster check / asset metadata and the report."""
+        d = self.model_dump(exclude={"guard"})
         d["gain_ci"] = list(self.gain_ci)
         d["reasons"] = "\n".join(self.reasons)
+        d["guard"] = {g.family: {"vs_champion": list(g.vs_champion.ci),
+                                 "vs_reference": list(g.vs_reference.ci) if g.vs_reference else None,
+                                 "passed": g.passed} for g in self.guard}
         return d
 
 
-def _same_set(a: EvalScores, b: EvalScores, label: str) -> str | None:
-    if a.eval_set_hash != b.eval_set_hash:
-        return (
-            f"{label} set: candidate was scored on set {a.eval_set_hash} and the champion on "
-            f"{b.eval_set_hash}; scores on different sets are not comparable, so the gate blocks."
-        )
-    return None
-
-
-def decide(
-    target_candidate: EvalScores,
-    target_champion: EvalScores,
-    guard_candidate: EvalScores,
-    guard_champion: EvalScores,
-    cfg: GateConfig | None = None,
-) -> GateDecision:
+def decide(deciding_candidate: Sequence[TaskSamples], deciding_champion: Sequence[TaskSamples],
+           guard_candidate: Sequence[TaskSamples], guard_champion: Sequence[TaskSamples],
+           guard_reference: Sequence[TaskSamples] | None = None, cfg: GateConfig | None = None) -> GateDecision:
     """Decide whether the candidate may replace the champion (see the module docstring)."""
     cfg = cfg or GateConfig()
-    pct = f"{cfg.ci_confidence:.0%}"
-    tc, tk = target_candidate, target_champion
-    p_value = one_sided_z_test(tc.successes, tc.n, tk.successes, tk.n)
-    gain = tc.pass_at_1 - tk.pass_at_1
-    gain_ci = difference_interval(tc.successes, tc.n, tk.successes, tk.n, cfg.ci_confidence)
-    gc, gk = guard_candidate, guard_champion
-    guard_delta = gc.pass_at_1 - gk.pass_at_1
-
-    reasons: list[str] = []
-    numbers = (
-        f"candidate {tc.pass_at_1:.3f} ({tc.successes}/{tc.n}) vs champion {tk.pass_at_1:.3f} "
-        f"({tk.successes}/{tk.n}), gain {gain:+.3f}, {pct} CI [{gain_ci[0]:+.3f}, {gain_ci[1]:+.3f}], "
-        f"one-sided p = {p_value:.4f}"
-    )
-    mismatch = _same_set(tc, tk, "Target")
-    if mismatch:
-        target_ok = False
-        reasons.append(mismatch)
-    elif p_value >= cfg.alpha:
-        target_ok = False
-        reasons.append(f"Target set: {numbers} is not below alpha = {cfg.alpha}: no significant improvement.")
-    elif gain < cfg.min_gain:
-        target_ok = False
-        reasons.append(f"Target set: {numbers}; significant, but the gain is below min_gain = {cfg.min_gain}.")
-    else:
-        target_ok = True
-        reasons.append(f"Target set: {numbers} < alpha = {cfg.alpha}: significant improvement.")
-
-    guard_numbers = (
-        f"candidate {gc.pass_at_1:.3f} ({gc.successes}/{gc.n}) vs champion {gk.pass_at_1:.3f} "
-        f"({gk.successes}/{gk.n}), delta {guard_delta:+.3f}"
-    )
-    mismatch = _same_set(gc, gk, "Guard")
-    if mismatch:
-        guard_ok = False
-        reasons.append(mismatch)
-    elif guard_delta < -cfg.guard_tolerance:
-        guard_ok = False
-        worst = _worst_family_drop(gc, gk)
-        reasons.append(
-            f"Guard set: {guard_numbers} drops more than the tolerance of {cfg.guard_tolerance}: regression."
-            + (f" Largest family drop: {worst}." if worst else "")
-        )
-    else:
-        guard_ok = True
-        reasons.append(f"Guard set: {guard_numbers}, within the tolerance of {cfg.guard_tolerance}.")
-
+    deciding, deciding_reason = _deciding(deciding_candidate, deciding_champion, cfg)
+    guard, guard_reasons = _guard(guard_candidate, guard_champion, guard_reference, cfg)
+    deciding_ok = deciding is not None and deciding.lower > cfg.min_gain
+    failed = [g.family for g in guard if not g.passed]
+    guard_ok = bool(guard) and not failed
     return GateDecision(
-        passed=target_ok and guard_ok,
-        reasons=reasons,
-        p_value=p_value,
-        gain=gain,
-        gain_ci=gain_ci,
-        guard_delta=guard_delta,
-        target_passed=target_ok,
+        passed=deciding_ok and guard_ok,
+        reasons=[deciding_reason, *guard_reasons],
+        gate_test=deciding.test if deciding else "none",
+        deciding_set_size=len(deciding_candidate),
+        deciding_set_hash=_hash(deciding_candidate),
+        p_value=deciding.p_value if deciding else 1.0,
+        gain=deciding.gain if deciding else 0.0,
+        gain_ci=deciding.ci if deciding else (0.0, 0.0),
+        deciding_passed=deciding_ok,
         guard_passed=guard_ok,
+        guard_failed_families=failed,
+        guard=guard,
     )
 
 
-def _worst_family_drop(candidate: EvalScores, champion: EvalScores) -> str | None:
-    drops = [
-        (candidate.per_family[f].pass_at_1 - champion.per_family[f].pass_at_1, f)
-        for f in candidate.per_family.keys() & champion.per_family.keys()
-    ]
-    if not drops:
-        return None
-    delta, family = min(drops)
-    return f"{family} {delta:+.3f}" if delta < 0 else None
+def _deciding(cand: Sequence[TaskSamples], champ: Sequence[TaskSamples], cfg: GateConfig
+              ) -> tuple[PairedComparison | None, str]:
+    if _hash(cand) != _hash(champ):
+        return None, (f"Deciding set: candidate was scored on set {_hash(cand)} and the champion on {_hash(champ)}; "
+                      "scores on different sets are not comparable, so the gate blocks.")
+    try:
+        c = compare(cand, champ, cfg.alpha)
+    except EvalStatsError as e:
+        return None, f"Deciding set: cannot compare ({e}); the gate blocks."
+    numbers = (f"candidate {_rate(cand)} vs champion {_rate(champ)} on {c.n_tasks} tasks, gain {c.gain:+.3f}, "
+               f"{c.confidence:.0%} CI [{c.ci[0]:+.3f}, {c.ci[1]:+.3f}], {c.test} one-sided p = {c.p_value:.4f}")
+    if c.lower > cfg.min_gain:
+        return c, f"Deciding set: {numbers}; lower bound above {cfg.min_gain}: better."
+    return c, f"Deciding set: {numbers}; lower bound not above {cfg.min_gain}: no significant gain."
+
+
+def _guard(cand: Sequence[TaskSamples], champ: Sequence[TaskSamples], reference: Sequence[TaskSamples] | None,
+           cfg: GateConfig) -> tuple[list[FamilyGuard], list[str]]:
+    if not cand:
+        return [], ["Guard set: empty, so nothing shows the candidate kept what worked; the gate blocks."]
+    if _hash(cand) != _hash(champ) or (reference is not None and _hash(reference) != _hash(cand)):
+        return [], ["Guard set: the candidate, champion and reference were not scored on the same set; the gate blocks."]
+    by = {name: _by_family(s) for name, s in (("cand", cand), ("champ", champ), ("ref", reference or []))}
+    out, reasons = [], []
+    for family in sorted(by["cand"]):
+        vs_champ = compare(by["cand"][family], by["champ"][family], cfg.alpha)
+        vs_ref = compare(by["cand"][family], by["ref"][family], cfg.alpha) if reference is not None else None
+        ok = vs_champ.lower > -cfg.guard_margin and (vs_ref is None or vs_ref.lower > -cfg.guard_margin)
+        out.append(FamilyGuard(family=family, n_tasks=vs_champ.n_tasks, vs_champion=vs_champ, vs_reference=vs_ref, passed=ok))
+        if not ok:
+            worst = min((c for c in (vs_champ, vs_ref) if c is not None), key=lambda c: c.lower)
+            against = "the champion" if worst is vs_champ else "the reference"
+            reasons.append(f"Guard set: family {family} regressed against {against}: "
+                           f"{_rate(by['cand'][family])} vs {_rate(by['champ' if worst is vs_champ else 'ref'][family])}, "
+                           f"difference {worst.gain:+.3f}, lower bound {worst.lower:+.3f} not above -{cfg.guard_margin}.")
+    if not reasons:
+        against = "the champion and the reference" if reference is not None else "the champion"
+        reasons.append(f"Guard set: every family ({', '.join(g.family for g in out)}) non-inferior to {against} "
+                       f"within a margin of {cfg.guard_margin}.")
+    return out, reasons
+
+
+def _by_family(samples: Sequence[TaskSamples]) -> dict[str, list[TaskSamples]]:
+    out: dict[str, list[TaskSamples]] = defaultdict(list)
+    for s in samples:
+        out[s.family].append(s)
+    return out
+
+
+def _hash(samples: Sequence[TaskSamples]) -> str:
+    return eval_set_hash(s.task_id for s in samples) if samples else "empty"
+
+
+def _rate(samples: Sequence[TaskSamples]) -> str:
+    n = sum(s.n for s in samples)
+    k = sum(s.successes for s in samples)
+    return f"{k / n:.3f} ({k}/{n})" if n else "n/a"

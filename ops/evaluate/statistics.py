@@ -1,15 +1,13 @@
 """Eval statistics: how good a policy is on an eval set, and how sure we are.
 
-The deploy gate compares a candidate with the champion on a fixed eval set. A single number
-is not enough to decide: with a few hundred tasks, a 3-point gain can be noise. So every score
-carries a confidence interval (Wilson score, which behaves at 0% and 100% where the normal
-approximation does not), and the comparison is a one-sided two-proportion z-test plus a
-Newcombe hybrid score interval for the difference.
+A single number is not enough to read a score: with a few hundred tasks, a 3-point difference
+can be noise. So every score carries a confidence interval (Wilson score, which behaves at 0%
+and 100% where the normal approximation does not). Comparing two policies on the same tasks is
+a paired question and lives in ops/evaluate/paired.py; this module scores one policy on one set.
 
 Unit of a trial: one sampled episode (pass or fail). With one sample per task (greedy eval)
 that is one task. With several samples per task the samples of one task are correlated, so the
-intervals here are somewhat too narrow; evaluate with one sample per task when the gate must
-be tight, or use pass@k for the multi-sample view.
+pooled interval here is somewhat too narrow; the paired bootstrap resamples whole tasks.
 
 pass@k is Chen et al. (2021)'s unbiased estimator, 1 - C(n-c, k) / C(n, k) per task, averaged
 over tasks; it needs at least k samples per task.
@@ -198,41 +196,3 @@ def score_set(
         pass_at_k={k: pass_at_k(samples, k) for k in ks},
         per_family=per_family,
     )
-
-
-# ---- comparing two proportions ------------------------------------------------------------
-
-
-def one_sided_z_test(successes_a: int, n_a: int, successes_b: int, n_b: int) -> float:
-    """p-value of H1: p_a > p_b, by the pooled two-proportion z-test.
-
-    When both samples are all-pass or all-fail the pooled variance is zero and the observed
-    difference is exactly what H0 predicts: the p-value is 1 (no evidence of improvement).
-    """
-    if n_a <= 0 or n_b <= 0:
-        raise EvalStatsError("cannot test proportions over zero trials")
-    pa, pb = successes_a / n_a, successes_b / n_b
-    pooled = (successes_a + successes_b) / (n_a + n_b)
-    var = pooled * (1 - pooled) * (1 / n_a + 1 / n_b)
-    if var == 0.0:
-        return 1.0
-    z = (pa - pb) / math.sqrt(var)
-    return 1.0 - NormalDist().cdf(z)
-
-
-def difference_interval(
-    successes_a: int, n_a: int, successes_b: int, n_b: int, confidence: float = 0.95
-) -> tuple[float, float]:
-    """Interval for p_a - p_b: Newcombe's hybrid score method (his method 10).
-
-    Built from the two Wilson intervals (l1,u1), (l2,u2):
-    lo = d - sqrt((p1-l1)^2 + (u2-p2)^2),  hi = d + sqrt((u1-p1)^2 + (p2-l2)^2).
-    Unlike Wald it stays inside [-1, 1] and keeps its coverage near 0% and 100%.
-    """
-    l1, u1 = wilson_interval(successes_a, n_a, confidence)
-    l2, u2 = wilson_interval(successes_b, n_b, confidence)
-    p1, p2 = successes_a / n_a, successes_b / n_b
-    d = p1 - p2
-    lo = d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2)
-    hi = d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)
-    return max(-1.0, lo), min(1.0, hi)

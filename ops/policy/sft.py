@@ -18,6 +18,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from ops.tasks import task_world
+from ops.tasks.split import is_held_out, split_of
 from ops.policy.model import forward_logits
 from ops.policy.sequences import Sequence, collate, solution_sequence
 
@@ -91,20 +92,27 @@ def success_by_family(model, tokenizer, eval_tasks: dict[str, list[task_world.Ta
     return {f: greedy_success(model, tokenizer, ts) for f, ts in eval_tasks.items()}
 
 
+def sft_corpus(cfg: SFTConfig) -> list[task_world.Task]:
+    """The SFT training tasks: bootstrap-family tasks in the train split only (ops/tasks/split.py),
+    so no task any eval set can draw is ever in the corpus."""
+    return [t for f in task_world.BOOTSTRAP_FAMILIES for t in task_world.generate_tasks(f, cfg.tasks_per_family, cfg.seed)
+            if split_of(t.task_id) == "train"]
+
+
 def sft_eval_tasks(cfg: SFTConfig) -> dict[str, list[task_world.Task]]:
-    """Held-out tasks for every family (seed offset keeps them apart from the training tasks)."""
-    train_ids = {t.task_id for f in task_world.BOOTSTRAP_FAMILIES for t in task_world.generate_tasks(f, cfg.tasks_per_family, cfg.seed)}
+    """Held-out tasks for every family, drawn with their own seed: SFT stops on them, so they are
+    kept apart from the eval sets' draw as well as from the corpus."""
     out = {}
     for f in task_world.FAMILIES:
-        cands = task_world.generate_tasks(f, cfg.eval_tasks_per_family * 3, cfg.seed + 10_000)
-        out[f] = [t for t in cands if t.task_id not in train_ids][: cfg.eval_tasks_per_family]
+        cands = task_world.generate_tasks(f, cfg.eval_tasks_per_family * 10, cfg.seed + 10_000)
+        out[f] = [t for t in cands if is_held_out(t.task_id)][: cfg.eval_tasks_per_family]
     return out
 
 
 def train_sft(model, tokenizer, cfg: SFTConfig, log: Callable[[dict], None] = lambda m: None) -> SFTResult:
     """Fine-tune `model` in place on the bootstrap families until the target success rate."""
     rng = random.Random(cfg.seed)
-    train = [t for f in task_world.BOOTSTRAP_FAMILIES for t in task_world.generate_tasks(f, cfg.tasks_per_family, cfg.seed)]
+    train = sft_corpus(cfg)
     seqs: list[Sequence] = [solution_sequence(t, tokenizer) for t in train]
     eval_tasks = sft_eval_tasks(cfg)
     params = [p for p in model.parameters() if p.requires_grad]

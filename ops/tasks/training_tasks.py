@@ -7,10 +7,10 @@ Why it is shaped like this:
   the family's template (`ops.tasks.task_world.FAMILIES`); the producer's expression hint is used
   only when the template does not match. A failure whose truth cannot be derived is counted
   as unverifiable and left out (reported, never silently).
-- *Held-out is a property of the task, not of the cycle.* `split_of(task_id)` hashes the id,
-  so a task is held out in every cycle, whichever source it came from (production failure,
-  bootstrap replay, an eval set); nothing held out can reach the train split. `eval_tasks`
-  builds eval sets from held-out tasks only.
+- *Held-out is a property of the task, not of the cycle.* `split_of(task_id)` (ops/tasks/split.py,
+  the one rule every stage uses) hashes the id, so a task is held out in every cycle, whichever
+  source it came from (production failure, bootstrap replay, an eval set); nothing held out can
+  reach the train split. `eval_tasks` builds eval sets from held-out tasks only.
 - *Replay against forgetting.* Each cycle trains on the failures that are new since the
   previous task set, mixed with a replay sample of earlier train tasks and of bootstrap-family
   tasks (the SFT distribution), `replay_ratio` replay tasks per new task (at least
@@ -37,12 +37,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from ops.common.paths import Home, home as default_home
 from ops.common.tables import read_table, table_hash
 from ops.tasks.task_world import BOOTSTRAP_FAMILIES, FAMILIES, Task, ToolError, calc, generate_tasks, normalize_question
+from ops.tasks.split import is_held_out, split_of
 
 TRAINING_TASKS_VERSION = "1"
 TRAINING_TASKS_CODE_VERSION = "training-tasks-1"  # bump when the same failures give other tasks
 VERIFIER = "calculator"
 VERIFIER_VERSION = "1"
-HELDOUT_FRACTION = 0.2
 BOOTSTRAP_REPLAY_SEED = 1234
 EVAL_SEED = 4321
 ANSWER_PATTERN = r"^ANSWER (-?\d+)$"  # what ops.tasks.task_world.parse_action accepts as an answer
@@ -70,7 +70,6 @@ TRAINING_TASKS = pa.schema(
 
 class TrainingTaskConfig(BaseModel):
     model_config = ConfigDict(frozen=True)
-    heldout_fraction: Annotated[float, Field(ge=0.0, lt=1.0, description="Share of task ids held out, by hash.")] = HELDOUT_FRACTION
     replay_ratio: Annotated[float, Field(ge=0.0, description="Replay tasks per new failure task.")] = 1.0
     min_replay: Annotated[int, Field(ge=0, description="At least this many replay tasks per set.")] = 16
     bootstrap_share: Annotated[float, Field(ge=0.0, le=1.0, description="Share of replay drawn from bootstrap families.")] = 0.5
@@ -94,14 +93,6 @@ class TrainingTaskSet:
 # ---- split and ground truth -------------------------------------------------------------------
 
 
-def split_of(task_id: str, heldout_fraction: float = HELDOUT_FRACTION) -> Literal["train", "heldout"]:
-    """Deterministic split by hash of the task id: the same task is held out in every cycle."""
-    bucket = int(hashlib.sha256(f"split:{task_id}".encode()).hexdigest()[:8], 16) / 2**32
-    return "heldout" if bucket < heldout_fraction else "train"
-
-
-def is_held_out(task_id: str, heldout_fraction: float = HELDOUT_FRACTION) -> bool:
-    return split_of(task_id, heldout_fraction) == "heldout"
 
 
 @lru_cache(maxsize=None)
@@ -149,12 +140,12 @@ def verifier_spec(expression: str, answer: str, derived_from: str) -> str:
 # ---- eval sets: held-out tasks only -----------------------------------------------------------
 
 
-def eval_tasks(families: list[str], n_per_family: int, seed: int = EVAL_SEED, heldout_fraction: float = HELDOUT_FRACTION) -> list[Task]:
+def eval_tasks(families: list[str], n_per_family: int, seed: int = EVAL_SEED) -> list[Task]:
     """Up to `n_per_family` held-out tasks per family (never in any train split)."""
     out = []
     for fam in families:
         pool = generate_tasks(fam, max(n_per_family * 10, 50), seed)
-        out += [t for t in pool if is_held_out(t.task_id, heldout_fraction)][:n_per_family]
+        out += [t for t in pool if is_held_out(t.task_id)][:n_per_family]
     return out
 
 
@@ -191,7 +182,7 @@ def build_training_tasks(
             "answer": answer,
             "verifier": VERIFIER,
             "verifier_spec": verifier_spec(expression, answer, derived_from),
-            "split": split_of(f["task_id"], settings.heldout_fraction),
+            "split": split_of(f["task_id"]),
             "source": "failure",
             "source_trace_ids": f["trace_ids"],
             "failure_type": f["failure_type"],
@@ -213,7 +204,7 @@ def build_training_tasks(
         t.task_id: _bootstrap_row(t)
         for fam in BOOTSTRAP_FAMILIES
         for t in generate_tasks(fam, settings.bootstrap_pool_per_family, BOOTSTRAP_REPLAY_SEED)
-        if split_of(t.task_id, settings.heldout_fraction) == "train" and t.task_id not in rows and t.task_id not in replay_pool
+        if split_of(t.task_id) == "train" and t.task_id not in rows and t.task_id not in replay_pool
     }
     n_boot = round(n_replay * settings.bootstrap_share)
     take_prev = _sample(replay_pool, min(len(replay_pool), n_replay - min(n_boot, len(bootstrap_pool))), salt)
