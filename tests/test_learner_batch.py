@@ -7,8 +7,9 @@ import pyarrow as pa
 import pytest
 import torch
 
+from learner_data import synthetic_tables
 from ops.learn.advantages import AdvantageConfig, group_advantages
-from ops.learn.batch import BatchError, build_training_batch, read_batch_tables, synthetic_tables
+from ops.learn.batch import BatchError, build_training_batch, read_batch_tables
 from ops.policy.sequences import collate
 from ops.common.tables import REWARDS, ROLLOUTS, write_table
 

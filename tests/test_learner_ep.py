@@ -45,9 +45,10 @@ def write_job(root: Path, base_hf: Path, rollouts: Path, rewards: Path, expert_p
 def test_expert_parallel_step_matches_single_process(tmp_path):
     from ops.policy.checkpoint import latest_complete, load_model_tensors
     from ops.policy.hf_convert import load_hf_tensors
-    from ops.learn.batch import synthetic_tables
+    from learner_data import synthetic_tables
     from ops.learn.config import LearnerJob
-    from ops.learn.main import init_world, run_job
+    from ops.learn.job import run_job
+    from ops.learn.world import init_world
     from ops.common.tables import REWARDS, ROLLOUTS, write_table
 
     base = random_policy(tmp_path / "base", seed=1234)

@@ -54,8 +54,9 @@ def all_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def test_killed_step_resumes_from_last_complete_checkpoint(tmp_path):
     from ops.policy.checkpoint import latest_complete, meta
-    from ops.learn.batch import synthetic_tables
-    from ops.learn.main import CRASH_AFTER_UPDATE, CRASH_BEFORE_COMMIT, CRASH_EXIT_CODE, init_world, run_job
+    from learner_data import synthetic_tables
+    from ops.learn.job import CRASH_AFTER_UPDATE, CRASH_BEFORE_COMMIT, CRASH_EXIT_CODE, run_job
+    from ops.learn.world import init_world
     from ops.common.tables import REWARDS, ROLLOUTS, write_table
 
     base = random_policy(tmp_path / "base", seed=99)

@@ -9,10 +9,13 @@ import math
 import pytest
 import torch
 
-from ops.learn.loss import LossConfig
-from ops.learn.batch import TrainingBatch, build_training_batch, synthetic_tables, with_behaviour_logprobs
+from learner_data import synthetic_tables, with_behaviour_logprobs
+from ops.learn.batch import TrainingBatch, build_training_batch
 from ops.learn.config import LearnerConfig
-from ops.learn.step import Learner, LearnerError, plan_micro_batches
+from ops.learn.errors import LearnerError
+from ops.learn.loss import LossConfig
+from ops.learn.micro_batches import plan_micro_batches
+from ops.learn.step import Learner
 from ops.policy.model import PRESETS, init_single_process
 
 TINY = PRESETS["tiny"]

@@ -31,7 +31,7 @@ def make_base_policy(home: Path) -> Path:
 
 
 def write_cycle(home: Path, cycle: int) -> None:
-    from ops.learn.batch import synthetic_tables
+    from learner_data import synthetic_tables
     from ops.common.tables import REWARDS, ROLLOUTS, write_table
     from ops.reward.scoring import rewards_path, rollouts_path
 

@@ -39,21 +39,49 @@ def _baseline_update(model, opt, plan, normalizer: float, grad_clip: float | Non
     opt.zero_grad(set_to_none=True)
 
 
+def _random_tables(groups: int, group_size: int, vocab_size: int, seed: int):
+    """A verified batch of random token sequences, only the columns the learner reads: prompts
+    of 24-40 tokens, completions of 24-64 with a 2-token tool segment (not trained), rewards 0/1
+    with both values in every group (no group is filtered)."""
+    import random
+
+    import pyarrow as pa
+
+    from ops.common.tables import REWARDS, ROLLOUTS
+
+    rng = random.Random(seed)
+    rollouts, rewards = [], []
+    for g in range(groups):
+        gid = f"g{g:04d}"
+        prompt = [rng.randrange(4, vocab_size) for _ in range(rng.randint(24, 40))]
+        for i in range(group_size):
+            n = rng.randint(24, 64)
+            completion = [rng.randrange(4, vocab_size) for _ in range(n)]
+            mask = [1] * n
+            mask[n // 3 : n // 3 + 2] = [0, 0]
+            logps = [-rng.uniform(0.5, 6.0) if m else 0.0 for m in mask]
+            reward = float(i % 2 == 0 if i < 2 else rng.random() < 0.5)
+            rollouts.append({"group_id": gid, "sample_index": i, "policy_version": 0, "prompt_ids": prompt,
+                             "completion_ids": completion, "behaviour_logprobs": logps, "loss_mask": mask})
+            rewards.append({"group_id": gid, "sample_index": i, "reward": reward, "flagged": False})
+    return pa.Table.from_pylist(rollouts, schema=ROLLOUTS), pa.Table.from_pylist(rewards, schema=REWARDS)
+
+
 def run_bench(groups: int = 16, group_size: int = 4, micro_batch_size: int = 16, rounds: int = 8,
               warmup: int = 2, seed: int = 0, preset: str = "tiny") -> dict:
     """Median tokens/s of the learner step vs the bare loop (see the module docstring)."""
     import torch
 
-    from ops.learn.batch import build_training_batch, synthetic_tables
+    from ops.learn.batch import build_training_batch
     from ops.learn.config import LearnerConfig
-    from ops.learn.step import Learner, plan_micro_batches
+    from ops.learn.micro_batches import plan_micro_batches
+    from ops.learn.step import Learner
     from ops.policy.model import PRESETS, build_model, init_single_process
 
     init_single_process(seed)
     policy = PRESETS[preset]
     cfg = LearnerConfig(lr=1e-5, micro_batch_size=micro_batch_size, seed=seed)
-    rollouts, rewards = synthetic_tables(groups, group_size, vocab_size=policy.vocab_size, prompt_len=(24, 40),
-                                         completion_len=(24, 64), seed=seed)
+    rollouts, rewards = _random_tables(groups, group_size, policy.vocab_size, seed)
     batch = build_training_batch(rollouts, rewards, cfg.advantage)
     tokens = batch.stats.tokens
 

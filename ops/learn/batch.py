@@ -22,7 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 import torch
 
-from ops.learn.advantages import AdvantageConfig, group_advantages
+from ops.learn.advantages import AdvantageConfig, GroupAdvantages, group_advantages
 from ops.policy.sequences import Sequence
 from ops.common.tables import REWARDS, ROLLOUTS, SchemaMismatch, read_table, table_hash
 
@@ -116,39 +116,51 @@ def build_training_batch(
 ) -> TrainingBatch:
     """Join, validate, compute advantages and filter (see the module docstring)."""
     cfg = cfg or AdvantageConfig()
+    by_key, reward_of = _join(rollouts, rewards)
+    keys = sorted(by_key)
+    _validate(keys, by_key, reward_of, vocab_size, max_length)
+    reward = torch.tensor([float(reward_of[k]["reward"]) for k in keys], dtype=torch.float64)
+    adv = group_advantages(reward, [k[0] for k in keys], cfg)
+    samples = [_sample(key, by_key[key], float(adv.advantages[i]), float(reward[i]))
+               for i, key in enumerate(keys) if bool(adv.keep[i])]
+    stats = _batch_stats(keys, reward_of, reward, adv, samples)
+    return TrainingBatch(samples, stats, batch_id(rollouts, rewards))
+
+
+def _join(rollouts: pa.Table, rewards: pa.Table) -> tuple[dict[tuple[str, int], dict], dict[tuple[str, int], dict]]:
+    """Rollout rows and reward rows by rollout key; every rollout must have exactly one reward."""
     for table, cols, what in ((rollouts, _ROLLOUT_COLUMNS, "rollouts"), (rewards, _REWARD_COLUMNS, "rewards")):
         missing = [c for c in cols if c not in table.column_names]
         if missing:
             raise BatchError(f"{what} table lacks columns {missing}")
     if rollouts.num_rows == 0:
         raise BatchError("the rollouts table is empty: nothing to learn from")
-
-    rows = rollouts.select(_ROLLOUT_COLUMNS).to_pylist()
-    by_key: dict[tuple[str, int], dict] = {}
-    dup = set()
-    for r in rows:
-        key = (r["group_id"], r["sample_index"])
-        if key in by_key:
-            dup.add(key)
-        by_key[key] = r
-    if dup:
-        raise BatchError(f"{len(dup)} duplicate rollout key(s) (group_id/sample_index): {_examples(dup)}")
-    reward_of: dict[tuple[str, int], dict] = {}
-    for r in rewards.select(_REWARD_COLUMNS).to_pylist():
-        key = (r["group_id"], r["sample_index"])
-        if key in reward_of:
-            dup.add(key)
-        reward_of[key] = r
-    if dup:
-        raise BatchError(f"{len(dup)} duplicate reward key(s) (group_id/sample_index): {_examples(dup)}")
+    by_key = _by_key(rollouts.select(_ROLLOUT_COLUMNS).to_pylist(), "rollout")
+    reward_of = _by_key(rewards.select(_REWARD_COLUMNS).to_pylist(), "reward")
     unrewarded = by_key.keys() - reward_of.keys()
     orphans = reward_of.keys() - by_key.keys()
     if unrewarded:
         raise BatchError(f"{len(unrewarded)} rollout(s) have no reward row (verify them first): {_examples(unrewarded)}")
     if orphans:
         raise BatchError(f"{len(orphans)} reward row(s) match no rollout: {_examples(orphans)}")
+    return by_key, reward_of
 
-    keys = sorted(by_key)
+
+def _by_key(rows: list[dict], what: str) -> dict[tuple[str, int], dict]:
+    out: dict[tuple[str, int], dict] = {}
+    dup = set()
+    for r in rows:
+        key = (r["group_id"], r["sample_index"])
+        if key in out:
+            dup.add(key)
+        out[key] = r
+    if dup:
+        raise BatchError(f"{len(dup)} duplicate {what} key(s) (group_id/sample_index): {_examples(dup)}")
+    return out
+
+
+def _validate(keys, by_key: dict, reward_of: dict, vocab_size: int | None, max_length: int | None) -> None:
+    """Reject the batch on the first few invalid rollouts (all of them named in the error)."""
     problems: list[str] = []
     for key in keys:
         _validate_rollout(key, by_key[key], reward_of[key], vocab_size, max_length, problems)
@@ -157,19 +169,16 @@ def build_training_batch(
     if problems:
         raise BatchError("invalid rollouts: " + "; ".join(problems))
 
-    reward = torch.tensor([float(reward_of[k]["reward"]) for k in keys], dtype=torch.float64)
-    adv = group_advantages(reward, [k[0] for k in keys], cfg)
 
-    samples: list[TrainingSample] = []
-    for i, key in enumerate(keys):
-        if not bool(adv.keep[i]):
-            continue
-        r = by_key[key]
-        seq = Sequence(list(r["prompt_ids"]), list(r["completion_ids"]), [int(m) for m in r["loss_mask"]])
-        samples.append(TrainingSample(key[0], key[1], seq, [float(x) for x in r["behaviour_logprobs"]],
-                                      float(adv.advantages[i]), float(reward[i]), int(r["policy_version"])))
+def _sample(key: tuple[str, int], r: dict, advantage: float, reward: float) -> TrainingSample:
+    seq = Sequence(list(r["prompt_ids"]), list(r["completion_ids"]), [int(m) for m in r["loss_mask"]])
+    return TrainingSample(key[0], key[1], seq, [float(x) for x in r["behaviour_logprobs"]], advantage, reward,
+                          int(r["policy_version"]))
+
+
+def _batch_stats(keys, reward_of: dict, reward: torch.Tensor, adv: GroupAdvantages, samples: list[TrainingSample]) -> BatchStats:
     kept_rewards = [s.reward for s in samples]
-    stats = BatchStats(
+    return BatchStats(
         rollouts=len(keys),
         groups_total=adv.groups_total,
         groups_filtered_all_equal=adv.groups_filtered_all_equal,
@@ -182,7 +191,6 @@ def build_training_batch(
         tokens=sum(len(s.sequence.ids) for s in samples),
         behaviour_policy_versions=tuple(sorted({s.policy_version for s in samples})),
     )
-    return TrainingBatch(samples, stats, batch_id(rollouts, rewards))
 
 
 def _validate_rollout(key, r: dict, rw: dict, vocab_size, max_length, problems: list[str]) -> None:
@@ -209,62 +217,3 @@ def _validate_rollout(key, r: dict, rw: dict, vocab_size, max_length, problems: 
                         f"max_position_embeddings {max_length}")
     if rw["reward"] is None or not math.isfinite(rw["reward"]):
         problems.append(f"{where}: reward {rw['reward']} is not finite")
-
-
-def synthetic_tables(
-    groups: int = 4,
-    group_size: int = 4,
-    *,
-    vocab_size: int = 512,
-    prompt_len: tuple[int, int] = (6, 12),
-    completion_len: tuple[int, int] = (6, 16),
-    all_equal_groups: int = 0,
-    policy_version: int = 0,
-    cycle: int = 0,
-    seed: int = 0,
-) -> tuple[pa.Table, pa.Table]:
-    """Well-formed ROLLOUTS and REWARDS tables of random token sequences, for benchmarks and tests.
-
-    Each completion has a tool segment (loss_mask 0) in the middle; rewards are 0/1 with both
-    values in every group except the first `all_equal_groups`, which are all 0 (filtered by
-    dynamic sampling). Behaviour log-probs are random negatives (replace them to be on-policy).
-    """
-    import random
-
-    rng = random.Random(seed)
-    rollouts, rewards = [], []
-    for g in range(groups):
-        gid = f"c{cycle}-g{g:04d}"
-        prompt = [rng.randrange(4, vocab_size) for _ in range(rng.randint(*prompt_len))]
-        for i in range(group_size):
-            n = rng.randint(*completion_len)
-            completion = [rng.randrange(4, vocab_size) for _ in range(n)]
-            mask = [1] * n
-            if n >= 6:
-                start = n // 3
-                mask[start : start + 2] = [0, 0]
-            logps = [-rng.uniform(0.5, 6.0) if m else 0.0 for m in mask]
-            reward = 0.0 if g < all_equal_groups else float(i % 2 == 0 if i < 2 else rng.random() < 0.5)
-            rollouts.append({
-                "cycle": cycle, "task_id": f"task-{g}", "family": "synthetic", "group_id": gid, "sample_index": i,
-                "policy_version": policy_version, "prompt_ids": prompt, "completion_ids": completion,
-                "behaviour_logprobs": logps, "loss_mask": mask, "prompt_text": "", "completion_text": "",
-                "turns": 1, "tool_calls": [], "final_answer": None, "finish_reason": "answer",
-                "prompt_tokens": len(prompt), "completion_tokens": sum(mask), "generation_seconds": 0.0,
-                "temperature": 1.0, "top_p": 1.0, "max_tokens": completion_len[1], "seed": seed,
-            })
-            rewards.append({
-                "group_id": gid, "sample_index": i, "task_id": f"task-{g}", "verifier": "synthetic",
-                "verifier_version": "1", "reward": reward, "outcome": "pass" if reward else "fail", "details": "{}",
-                "flagged": False, "seconds": 0.0,
-            })
-    return pa.Table.from_pylist(rollouts, schema=ROLLOUTS), pa.Table.from_pylist(rewards, schema=REWARDS)
-
-
-def with_behaviour_logprobs(rollouts: pa.Table, logprobs: dict[tuple[str, int], list[float]]) -> pa.Table:
-    """`rollouts` with behaviour_logprobs replaced per rollout key (0.0 kept off the loss mask)."""
-    rows = rollouts.to_pylist()
-    for r in rows:
-        new = logprobs[(r["group_id"], r["sample_index"])]
-        r["behaviour_logprobs"] = [lp if m else 0.0 for lp, m in zip(new, r["loss_mask"])]
-    return pa.Table.from_pylist(rows, schema=rollouts.schema)

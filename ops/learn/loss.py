@@ -123,16 +123,6 @@ class LossStats:
         return {f"{prefix}{k}": v for k, v in asdict(self).items()}
 
 
-def _check_inputs(logp, logp_old, logp_behaviour, advantages, mask, logp_ref) -> None:
-    if logp.ndim != 2:
-        raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
-    for name, t in (("logp_old", logp_old), ("logp_behaviour", logp_behaviour), ("mask", mask), ("logp_ref", logp_ref)):
-        if t is not None and t.shape != logp.shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(logp.shape)} like logp")
-    if advantages.shape != logp.shape[:1]:
-        raise ValueError(f"advantages must be [B]={logp.shape[0]}, got shape {tuple(advantages.shape)}")
-
-
 def grpo_loss(
     logp: Tensor,
     logp_old: Tensor | None,
@@ -153,86 +143,139 @@ def grpo_loss(
     accumulation. A batch with no trained token gives a zero loss still attached to the graph,
     so every data-parallel rank can call backward.
     """
-    _check_inputs(logp, logp_old, logp_behaviour, advantages, mask, logp_ref)
+    _check_inputs(logp, logp_old, logp_behaviour, advantages, mask, logp_ref, cfg, loss_normalizer)
+    x = _Masked.of(logp, logp_old, logp_behaviour, advantages, mask)
+    ratio, log_w = _importance_ratio(x, cfg.level)
+    tis_w = torch.ones_like(x.lp) if cfg.tis_cap is None else torch.exp(log_w).clamp(max=cfg.tis_cap)
+    pg_tok = -tis_w * _clipped_surrogate(ratio, x.adv, cfg)
+    k3 = None if logp_ref is None else _k3(x.masked(logp_ref.detach()), x.lp)
+
+    pg_loss = _aggregate(pg_tok, x, cfg.aggregation, loss_normalizer)
+    kl = _aggregate(k3, x, cfg.aggregation, loss_normalizer) if k3 is not None else x.zero
+    loss = pg_loss + cfg.kl_coef * kl if cfg.kl_coef > 0 else pg_loss
+    if x.n_tokens == 0:
+        loss = (logp * 0).sum()  # nothing to train; keep the graph so backward runs
+    stats = _loss_stats(loss, pg_loss, kl, ratio, tis_w, x, cfg, on_behaviour=logp_old is None)
+    return loss, stats
+
+
+def _check_inputs(logp, logp_old, logp_behaviour, advantages, mask, logp_ref, cfg: LossConfig,
+                  loss_normalizer: float | None) -> None:
+    if logp.ndim != 2:
+        raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
+    for name, t in (("logp_old", logp_old), ("logp_behaviour", logp_behaviour), ("mask", mask), ("logp_ref", logp_ref)):
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(logp.shape)} like logp")
+    if advantages.shape != logp.shape[:1]:
+        raise ValueError(f"advantages must be [B]={logp.shape[0]}, got shape {tuple(advantages.shape)}")
     if cfg.kl_coef > 0 and logp_ref is None:
         raise ValueError("kl_coef > 0 needs logp_ref (the reference policy's log-probs)")
     if loss_normalizer is not None and not loss_normalizer > 0:
         raise ValueError(f"loss_normalizer must be > 0, got {loss_normalizer}")
-    m = mask.bool()
-    mf = m.to(torch.float32)
-    zero = torch.zeros((), dtype=torch.float32, device=logp.device)
 
-    def masked(x: Tensor) -> Tensor:  # masked positions -> 0 before any exp, so inf/nan there stay harmless
-        return torch.where(m, x.float(), zero)
 
-    lp = masked(logp)
-    lp_beh = masked(logp_behaviour.detach())
-    lp_old = lp_beh if logp_old is None else masked(logp_old.detach())
-    adv = advantages.detach().float()[:, None]
-    tokens_per_seq = mf.sum(dim=1)
-    has_tokens = tokens_per_seq > 0
-    n_tokens = float(tokens_per_seq.sum().item())
-    n_seqs = float(has_tokens.sum().item())
+@dataclass(frozen=True)
+class _Masked:
+    """The inputs with masked positions set to 0 before any exp, so inf/nan there stay harmless;
+    old and behaviour log-probs and advantages detached (only logp carries the gradient)."""
 
-    if cfg.level == "token":
-        ratio = torch.exp(lp - lp_old)
-        log_w = lp_old - lp_beh
-    else:
-        denom = tokens_per_seq.clamp(min=1)
-        seq_log_ratio = (lp - lp_old).sum(dim=1) / denom
-        # GSPO-token form: value s_i on every token, gradient s_i * d logp_t.
-        ratio = torch.exp(seq_log_ratio.detach())[:, None] * torch.exp(lp - lp.detach())
-        log_w = ((lp_old - lp_beh).sum(dim=1) / denom)[:, None].expand_as(lp)
-    tis_w = torch.ones_like(lp) if cfg.tis_cap is None else torch.exp(log_w).clamp(max=cfg.tis_cap)
+    m: Tensor  # [B, T] bool
+    mf: Tensor  # [B, T] float32
+    zero: Tensor  # scalar float32 on logp's device
+    lp: Tensor
+    lp_old: Tensor  # lp_beh when logp_old is None
+    lp_beh: Tensor
+    adv: Tensor  # [B, 1]
+    tokens_per_seq: Tensor  # [B]
+    has_tokens: Tensor  # [B] bool
+    n_tokens: float
+    n_seqs: float
 
-    clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-    surr = torch.minimum(ratio * adv, clipped * adv)
-    pg_tok = -tis_w * surr
-    k3 = None
-    if logp_ref is not None:
-        d = masked(logp_ref.detach()) - lp
-        k3 = torch.exp(d) - d - 1.0
-
-    def aggregate(x: Tensor) -> Tensor:
-        x = x * mf
-        if cfg.aggregation == "token-mean":
-            return x.sum() / (loss_normalizer if loss_normalizer is not None else max(n_tokens, 1.0))
-        per_seq = x.sum(dim=1) / tokens_per_seq.clamp(min=1)
-        return per_seq.sum() / (loss_normalizer if loss_normalizer is not None else max(n_seqs, 1.0))
-
-    pg_loss = aggregate(pg_tok)
-    kl = aggregate(k3) if k3 is not None else zero
-    loss = pg_loss + cfg.kl_coef * kl if cfg.kl_coef > 0 else pg_loss
-    if n_tokens == 0:
-        loss = (logp * 0).sum()  # nothing to train; keep the graph so backward runs
-
-    with torch.no_grad():
-        if cfg.level == "token":
-            unit, r, a, w = m, ratio, adv.expand_as(ratio), tis_w
-        else:
-            unit, r, a, w = has_tokens, ratio[:, 0], adv[:, 0], tis_w[:, 0]
-        r_u, a_u, w_u = r[unit], a[unit], w[unit]
-        n_units = max(int(unit.sum().item()), 1)
-        low = ((a_u < 0) & (r_u < 1.0 - cfg.clip_low)).sum().item() / n_units
-        high = ((a_u > 0) & (r_u > 1.0 + cfg.clip_high)).sum().item() / n_units
-        empty = r_u.numel() == 0
-        mismatch = 0.0 if logp_old is None or n_tokens == 0 else float(((lp_old - lp_beh).abs() * mf).sum() / n_tokens)
-        stats = LossStats(
-            loss=float(loss.detach()),
-            pg_loss=float(pg_loss.detach()),
-            kl=float(kl.detach()),
-            clip_fraction=low + high,
-            clip_low_fraction=low,
-            clip_high_fraction=high,
-            ratio_mean=1.0 if empty else float(r_u.mean()),
-            ratio_max=1.0 if empty else float(r_u.max()),
-            ratio_min=1.0 if empty else float(r_u.min()),
-            tis_weight_mean=1.0 if empty else float(w_u.mean()),
-            mismatch=mismatch,
-            num_tokens=n_tokens,
-            num_sequences=n_seqs,
+    @classmethod
+    def of(cls, logp, logp_old, logp_behaviour, advantages, mask) -> "_Masked":
+        m = mask.bool()
+        mf = m.to(torch.float32)
+        zero = torch.zeros((), dtype=torch.float32, device=logp.device)
+        lp_beh = _zero_masked(logp_behaviour.detach(), m, zero)
+        tokens_per_seq = mf.sum(dim=1)
+        has_tokens = tokens_per_seq > 0
+        return cls(
+            m=m, mf=mf, zero=zero, lp=_zero_masked(logp, m, zero), lp_beh=lp_beh,
+            lp_old=lp_beh if logp_old is None else _zero_masked(logp_old.detach(), m, zero),
+            adv=advantages.detach().float()[:, None], tokens_per_seq=tokens_per_seq, has_tokens=has_tokens,
+            n_tokens=float(tokens_per_seq.sum().item()), n_seqs=float(has_tokens.sum().item()),
         )
-    return loss, stats
+
+    def masked(self, t: Tensor) -> Tensor:
+        return _zero_masked(t, self.m, self.zero)
+
+
+def _zero_masked(t: Tensor, m: Tensor, zero: Tensor) -> Tensor:
+    return torch.where(m, t.float(), zero)
+
+
+def _importance_ratio(x: _Masked, level: str) -> tuple[Tensor, Tensor]:
+    """(ratio pi_theta / pi_old, log of the TIS weight pi_old / mu), both [B, T]: per token, or
+    per sequence in GSPO-token form (value s_i on every token, gradient s_i * d logp_t)."""
+    if level == "token":
+        return torch.exp(x.lp - x.lp_old), x.lp_old - x.lp_beh
+    denom = x.tokens_per_seq.clamp(min=1)
+    seq_log_ratio = (x.lp - x.lp_old).sum(dim=1) / denom
+    ratio = torch.exp(seq_log_ratio.detach())[:, None] * torch.exp(x.lp - x.lp.detach())
+    log_w = ((x.lp_old - x.lp_beh).sum(dim=1) / denom)[:, None].expand_as(x.lp)
+    return ratio, log_w
+
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, cfg: LossConfig) -> Tensor:
+    """PPO's pessimistic surrogate min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)."""
+    clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    return torch.minimum(ratio * adv, clipped * adv)
+
+
+def _k3(lp_ref: Tensor, lp: Tensor) -> Tensor:
+    """k3 estimator of KL(pi_theta || pi_ref) per token: unbiased and non-negative."""
+    d = lp_ref - lp
+    return torch.exp(d) - d - 1.0
+
+
+def _aggregate(x: Tensor, inputs: _Masked, aggregation: str, loss_normalizer: float | None) -> Tensor:
+    """Masked per-token values -> one number: token-mean (DAPO) or sequence-mean (GRPO, GSPO)."""
+    x = x * inputs.mf
+    if aggregation == "token-mean":
+        return x.sum() / (loss_normalizer if loss_normalizer is not None else max(inputs.n_tokens, 1.0))
+    per_seq = x.sum(dim=1) / inputs.tokens_per_seq.clamp(min=1)
+    return per_seq.sum() / (loss_normalizer if loss_normalizer is not None else max(inputs.n_seqs, 1.0))
+
+
+@torch.no_grad()
+def _loss_stats(loss: Tensor, pg_loss: Tensor, kl: Tensor, ratio: Tensor, tis_w: Tensor, x: _Masked,
+                cfg: LossConfig, *, on_behaviour: bool) -> LossStats:
+    """LossStats over units (trained tokens, or sequences with one at level 'sequence')."""
+    if cfg.level == "token":
+        unit, r, a, w = x.m, ratio, x.adv.expand_as(ratio), tis_w
+    else:
+        unit, r, a, w = x.has_tokens, ratio[:, 0], x.adv[:, 0], tis_w[:, 0]
+    r_u, a_u, w_u = r[unit], a[unit], w[unit]
+    n_units = max(int(unit.sum().item()), 1)
+    low = ((a_u < 0) & (r_u < 1.0 - cfg.clip_low)).sum().item() / n_units
+    high = ((a_u > 0) & (r_u > 1.0 + cfg.clip_high)).sum().item() / n_units
+    empty = r_u.numel() == 0
+    mismatch = 0.0 if on_behaviour or x.n_tokens == 0 else float(((x.lp_old - x.lp_beh).abs() * x.mf).sum() / x.n_tokens)
+    return LossStats(
+        loss=float(loss.detach()),
+        pg_loss=float(pg_loss.detach()),
+        kl=float(kl.detach()),
+        clip_fraction=low + high,
+        clip_low_fraction=low,
+        clip_high_fraction=high,
+        ratio_mean=1.0 if empty else float(r_u.mean()),
+        ratio_max=1.0 if empty else float(r_u.max()),
+        ratio_min=1.0 if empty else float(r_u.min()),
+        tis_weight_mean=1.0 if empty else float(w_u.mean()),
+        mismatch=mismatch,
+        num_tokens=x.n_tokens,
+        num_sequences=x.n_seqs,
+    )
 
 
 def entropy_from_logits(logits: Tensor, mask: Tensor) -> Tensor:
