@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ops.reward import sandbox as sandbox_mod
-from ops.reward.sandbox import Limits, Outcome, Sandbox, bwrap_status
+from ops.reward import isolation
+from ops.reward.sandbox import Limits, Outcome, Sandbox, SandboxUnavailable, bwrap_status
 
 HAS_BWRAP = bwrap_status()[0]
 
@@ -172,12 +172,12 @@ def test_fallback_without_bwrap_still_limits_and_protects_the_verifier(tmp_path)
 
 
 def test_fallback_warns_once(monkeypatch, caplog):
-    monkeypatch.setattr(sandbox_mod, "bwrap_status", lambda: (False, "bubblewrap (bwrap) is not installed"))
-    monkeypatch.setattr(sandbox_mod, "_warned_fallback", False)
+    monkeypatch.setattr(isolation, "bwrap_status", lambda: (False, "bubblewrap (bwrap) is not installed"))
+    monkeypatch.setattr(isolation, "_warned_fallback", False)
     with caplog.at_level(logging.WARNING, logger="perpetua.sandbox"):
         assert Sandbox().isolation == "rlimits"
         assert Sandbox().isolation == "rlimits"
     warnings = [r for r in caplog.records if "SANDBOX FALLBACK" in r.getMessage()]
     assert len(warnings) == 1 and "not installed" in warnings[0].getMessage()
-    with pytest.raises(sandbox_mod.SandboxUnavailable):
+    with pytest.raises(SandboxUnavailable):
         Sandbox(isolation="bwrap")

@@ -1,1 +1,9 @@
-"""Stage `reward` (asset verified_rewards): sandboxed verifiers and the scoring of a cycle's rollouts."""
+"""Stage `reward` (asset verified_rewards): sandboxed verifiers and the scoring of a cycle's rollouts.
+
+- `scoring`: every rollout of a cycle through its verifier, in parallel, into reward rows;
+- `verifiers`: the verifier registry and the built-in verifiers (calculator, answers, swe);
+- `sandbox`: `Sandbox` and `Workspace`, running untrusted commands, built from `limits`
+  (resource limits), `isolation` (bwrap or the rlimits fallback, the bwrap command line),
+  `uid_pool` (a uid per run as root), `process` (run, capture, kill, reap) and `outcome`
+  (the typed result).
+"""

@@ -151,32 +151,8 @@ def verify_rollouts(
     start = time.monotonic()
     sandbox = sandbox or Sandbox()
     workers = workers or default_workers()
-    if isinstance(rollouts, pa.Table):
-        missing = [c for c in _ITEM_COLUMNS if c not in rollouts.column_names]
-        if missing:
-            raise ValueError(f"rollouts table lacks columns {missing}")
-        items_in = rollouts.select(_ITEM_COLUMNS).to_pylist()
-    else:
-        items_in = list(rollouts)
-
-    rows: list[dict | None] = [None] * len(items_in)
-    by_verifier: dict[str, list[int]] = defaultdict(list)
-    prepared: dict[int, VerifyItem] = {}
-    for i, raw in enumerate(items_in):
-        truth = tasks.get(raw["task_id"])
-        if truth is None:
-            rows[i] = _row(raw, "none", "", Verification.failed(Outcome.CRASHED, f"no ground truth for task {raw['task_id']!r}"))
-            continue
-        try:
-            record = task_record(truth)
-            name = verifier_name_for(record)
-            get_verifier(name)
-        except (UnknownVerifier, TypeError) as e:
-            rows[i] = _row(raw, "none", "", Verification.failed(Outcome.CRASHED, str(e)))
-            continue
-        prepared[i] = VerifyItem.from_rollout(raw, record)
-        by_verifier[name].append(i)
-
+    items_in = _items(rollouts)
+    rows, prepared, by_verifier = _route(items_in, tasks)
     jobs = [(name, chunk) for name, idx in by_verifier.items() for chunk in _chunks(idx, get_verifier(name).batch_size, workers)]
 
     def run_job(job):
@@ -194,6 +170,38 @@ def verify_rollouts(
                 rows[i] = _row(items_in[i], name, version, v)
     used = {name: get_verifier(name).version for name in by_verifier}
     return VerifyReport([r for r in rows if r is not None], time.monotonic() - start, workers, sandbox.isolation, used)
+
+
+def _items(rollouts: pa.Table | Iterable[Mapping]) -> list[Mapping]:
+    if not isinstance(rollouts, pa.Table):
+        return list(rollouts)
+    missing = [c for c in _ITEM_COLUMNS if c not in rollouts.column_names]
+    if missing:
+        raise ValueError(f"rollouts table lacks columns {missing}")
+    return rollouts.select(_ITEM_COLUMNS).to_pylist()
+
+
+def _route(items: list[Mapping], tasks: Mapping[str, Any]):
+    """Each rollout to its task's verifier: (rows, with a `crashed` row already for every rollout
+    that cannot be verified; prepared items by index; indices by verifier name)."""
+    rows: list[dict | None] = [None] * len(items)
+    by_verifier: dict[str, list[int]] = defaultdict(list)
+    prepared: dict[int, VerifyItem] = {}
+    for i, raw in enumerate(items):
+        truth = tasks.get(raw["task_id"])
+        if truth is None:
+            rows[i] = _row(raw, "none", "", Verification.failed(Outcome.CRASHED, f"no ground truth for task {raw['task_id']!r}"))
+            continue
+        try:
+            record = task_record(truth)
+            name = verifier_name_for(record)
+            get_verifier(name)
+        except (UnknownVerifier, TypeError) as e:
+            rows[i] = _row(raw, "none", "", Verification.failed(Outcome.CRASHED, str(e)))
+            continue
+        prepared[i] = VerifyItem.from_rollout(raw, record)
+        by_verifier[name].append(i)
+    return rows, prepared, by_verifier
 
 
 def rewards_table(report: VerifyReport) -> pa.Table:

@@ -82,7 +82,8 @@ def run_checks(requests: list[dict], sandbox) -> list[tuple[dict | None, object]
 
 
 def _run_once(request: dict, sandbox):
-    from ops.reward.sandbox import _PROJECT_ROOT, Outcome
+    from ops.reward.isolation import PROJECT_ROOT
+    from ops.reward.sandbox import Outcome
 
     payload = json.dumps(request)
     need = 2 * len(payload) + (64 << 10)  # results are never much longer than their inputs
@@ -92,7 +93,7 @@ def _run_once(request: dict, sandbox):
     )
     result = sandbox.run(
         [sys.executable, "-B", "-s", "-P", str(Path(__file__).resolve())], stdin=payload, limits=limits,
-        env={"PYTHONPATH": str(_PROJECT_ROOT), "PYTHONHASHSEED": "0"},
+        env={"PYTHONPATH": str(PROJECT_ROOT), "PYTHONHASHSEED": "0"},
     )
     if result.outcome is not Outcome.PASS or result.truncated:
         return None, result
