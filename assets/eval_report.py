@@ -19,7 +19,7 @@ from ops.common import tracking
 from ops.common.paths import home
 from ops.common.tables import REWARDS, ROLLOUTS, read_table, table_hash
 from ops.cost import cycle_costs
-from ops.cost.model import Campaign, CycleRecord
+from ops.cost.accounting import Campaign, CycleRecord
 from ops.cost.plot import save_ipd_plot
 from ops.deploy import registry
 from ops.evaluate import report as reports

@@ -2,7 +2,7 @@
 
 Thin: resolves which model versions are real, runs one incremental harvest (`ops.harvest.harvester`),
 and reports its counts, quarantine reasons, conservation and lineage. The table (schema
-`ops.harvest.harvester.HARVESTED_FAILURES`) is written by the harvest under
+`ops.harvest.failures.HARVESTED_FAILURES`) is written by the harvest under
 PERPETUA_HOME/data/harvested_failures/failures-<generation>.parquet; its hash is the data version,
 so a harvest that finds nothing new leaves downstream assets fresh.
 """
@@ -11,7 +11,9 @@ so a harvest that finds nothing new leaves downstream assets fresh.
 import dagster as dg
 from pydantic import Field
 
-from ops.harvest.harvester import HARVEST_CODE_VERSION, HarvestResult, HarvestConfig, MlflowTraceSource, harvest, resolve_known_versions
+from ops.harvest.harvester import HARVEST_CODE_VERSION, HarvestConfig, HarvestResult, harvest
+from ops.harvest.known_versions import resolve_known_versions
+from ops.harvest.mlflow_source import MlflowTraceSource
 from ops.common.paths import home
 
 

@@ -4,13 +4,15 @@ tables (ops.cost.cycle_costs) and returned as asset metadata."""
 import contextlib
 
 from ops.cost import cycle_costs
-from ops.cost.model import StageMeter
+from ops.cost.meter import StageMeter
 from ops.common.paths import home
 
 
 @contextlib.contextmanager
 def metered(stage: str, cycle: int, watch_pids=()):
-    """`with metered("rollouts", cycle, [server_pid]) as meter: ...`; meter.cost after the block."""
+    """`with metered("rollout", cycle, [server_pid]) as meter: ...`; meter.cost after the block.
+
+    `stage` is the asset's Dagster group name, so costs add up by the same stages as the graph."""
     meter = StageMeter(stage)
     with meter:
         for pid in watch_pids:

@@ -144,7 +144,7 @@ def policy_checkpoint(
     env = {"PERPETUA_HOME": str(h.root), "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     try:
-        with metered("learner", cycle) as meter:  # the torchrun processes count as waited-for children
+        with metered("learn", cycle) as meter:  # the torchrun processes count as waited-for children
             result = pipes_subprocess_client.run(command=command, context=context, env=env, cwd=str(REPO_ROOT))
         materialization = result.get_materialize_result()
     except BaseException:

@@ -10,7 +10,7 @@ import warnings
 
 import dagster as dg
 
-from ops.harvest.harvester import landing_data_version
+from ops.harvest.landing import landing_data_version
 from ops.common.paths import home
 
 

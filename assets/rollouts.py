@@ -1,7 +1,5 @@
 """`rollouts`: the current policy attempts the cycle's training tasks, G times each, on vLLM."""
 
-import random
-
 import dagster as dg
 
 from assets.cycle import cycle_of
@@ -10,9 +8,8 @@ from ops.policy import versions as policies
 from ops.common.paths import home
 from ops.rollout.groups import SamplingConfig, generate_groups
 from ops.common.tables import ROLLOUTS, table_hash, write_table
-from ops.tasks.task_world import Task
 from ops.policy.tokenizer import load_hf_tokenizer
-from ops.tasks.training_tasks import current_training_tasks_path, read_training_tasks
+from ops.tasks.sampling import NoTrainingTasks, sample_train_tasks
 from ops.reward.scoring import rollouts_path
 from assets.resources import PolicyServer
 
@@ -28,18 +25,6 @@ class RolloutsConfig(dg.Config):
     seed: int = 0
 
 
-def train_tasks(max_tasks: int, cycle: int) -> list[Task]:
-    path = current_training_tasks_path()
-    if path is None:
-        raise dg.Failure("no training tasks yet: materialize training_tasks first")
-    rows = [r for r in read_training_tasks(path).to_pylist() if r["split"] == "train"]
-    if not rows:
-        raise dg.Failure(f"{path} has no train-split tasks")
-    rng = random.Random(f"rollout-tasks:{cycle}")
-    rows = rng.sample(rows, min(max_tasks, len(rows)))
-    return [Task.from_dict(r) for r in sorted(rows, key=lambda r: r["task_id"])]
-
-
 @dg.asset(
     group_name="rollout",
     kinds={"vllm"},
@@ -53,10 +38,13 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_
     cycle = cycle_of(context)
     version = policies.latest_version()
     model_dir = policies.hf_dir(version)
-    tasks = train_tasks(config.max_tasks, cycle)
+    try:
+        tasks = sample_train_tasks(config.max_tasks, cycle)
+    except NoTrainingTasks as e:
+        raise dg.Failure(str(e)) from None
     sampling = SamplingConfig(group_size=config.group_size, temperature=config.temperature, top_p=config.top_p,
                               max_tokens=config.max_tokens, seed=config.seed)
-    with metered("rollouts", cycle, [trainer_server.server_pid()]) as meter:
+    with metered("rollout", cycle, [trainer_server.server_pid()]) as meter:
         engine = trainer_server.engine(model_dir, version)
         context.log.info(f"cycle {cycle}: {len(tasks)} tasks x {config.group_size} samples by policy v{version}")
         batch = generate_groups(engine, load_hf_tokenizer(model_dir), tasks, sampling, cycle=cycle,

@@ -13,7 +13,7 @@ from collections import Counter
 import dagster as dg
 from pydantic import Field
 
-from ops.harvest.harvester import read_failures
+from ops.harvest.failures import read_failures
 from ops.tasks.training_tasks import TRAINING_TASKS_CODE_VERSION, TrainingTaskConfig, build_and_write_training_tasks
 
 

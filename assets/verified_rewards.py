@@ -40,7 +40,7 @@ def verified_rewards(context: dg.AssetExecutionContext, config: VerifiedRewardsC
     version, from sandboxed verifiers that re-execute what the model claimed."""
     cycle = cycle_of(context, explicit=config.cycle, upstream="rollouts", stored=lambda: stored_cycles(home().data))
     try:
-        with metered("verify", cycle) as meter:  # sandboxed verifier processes are waited-for children
+        with metered("reward", cycle) as meter:  # sandboxed verifier processes are waited-for children
             report, path, table = score_cycle(home().data, cycle, workers=config.workers or None)
     except NothingToScore as e:
         raise dg.Failure(str(e)) from None

@@ -1,7 +1,7 @@
 """Sensors: start a training cycle when production has produced enough new failures.
 
 `retraining_sensor` counts new failure records in the landing zone cheaply (a regex over the
-new bytes of JSONL files, two columns of Parquet files; `ops.harvest.harvester.estimate_new_failures`)
+new bytes of JSONL files, two columns of Parquet files; `ops.harvest.landing.estimate_new_failures`)
 and keeps what it has counted in the sensor cursor. Once at least `threshold` failures have
 arrived since its last run request it requests a run of the cycle job, with a run key made of
 the request number and the landing listing it saw: a tick that is evaluated twice from the
@@ -25,7 +25,7 @@ import dagster as dg
 from assets.cycle import CYCLE_JOB, CYCLE_TAG, TRIGGER_TAG
 from assets.cycle_run import MLFLOW_STATUS, PARENT_RUN_TAG, cycle_outcome, find_cycle_run
 from ops.common import tracking
-from ops.harvest.harvester import estimate_new_failures
+from ops.harvest.landing import estimate_new_failures
 from ops.common.paths import home
 from assets.resources import MlflowTracking
 

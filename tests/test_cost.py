@@ -8,18 +8,9 @@ import time
 
 import pytest
 
-from ops.cost.model import (
-    Campaign,
-    CostError,
-    CycleRecord,
-    PriceTable,
-    StageCost,
-    StageMeter,
-    cycle_cost,
-    gpu_class,
-    intelligence_per_dollar,
-    stage_dollars,
-)
+from ops.cost.accounting import Campaign, CycleRecord, cycle_cost, cycle_metrics, intelligence_per_dollar
+from ops.cost.meter import StageCost, StageMeter
+from ops.cost.prices import CostError, PriceTable, gpu_class, stage_dollars
 from ops.cost.plot import ipd_figure, save_ipd_plot
 
 SPIN = "import time\nt = time.process_time()\nwhile time.process_time() - t < {s}: pass\n"
@@ -35,7 +26,7 @@ def test_price_table_defaults_and_stage_dollars_by_hand():
     prices = PriceTable(api_tokens_per_million=1.0)
     assert prices.gpu_hour == {"H100": 2.99, "H200": 3.79, "B200": 5.99, "A100": 1.79}
     assert prices.cpu_core_hour == 0.048
-    cost = StageCost("learner", cpu_core_seconds=3600, gpu_seconds={"H100": 1800}, api_tokens=2_000_000)
+    cost = StageCost("learn", cpu_core_seconds=3600, gpu_seconds={"H100": 1800}, api_tokens=2_000_000)
     # 1 core-hour * 0.048 + 0.5 GPU-hour * 2.99 + 2 M tokens * 1.0
     assert stage_dollars(cost, prices) == pytest.approx(0.048 + 1.495 + 2.0)
     with pytest.raises(CostError, match="no price for GPU type 'TPUv5'"):
@@ -49,7 +40,7 @@ def test_stage_meter_measures_own_child_and_watched_process_cpu():
     server = subprocess.Popen([sys.executable, "-c", SPIN.format(s=0.6) + "time.sleep(30)\n"])
     try:
         time.sleep(0.05)
-        with StageMeter("rollouts", gpus=0) as meter:
+        with StageMeter("rollout", gpus=0) as meter:
             meter.watch_process(server.pid)
             _spin(0.3)  # this process
             subprocess.run([sys.executable, "-c", SPIN.format(s=0.3)], check=True)  # a finished child
@@ -73,7 +64,7 @@ def test_stage_meter_measures_own_child_and_watched_process_cpu():
 
 def test_stage_meter_gpu_seconds_and_failure_still_records():
     with pytest.raises(RuntimeError, match="boom"):
-        with StageMeter("learner", gpus=2, gpu_type="H200") as meter:
+        with StageMeter("learn", gpus=2, gpu_type="H200") as meter:
             time.sleep(0.2)
             raise RuntimeError("boom")
     cost = meter.cost
@@ -86,12 +77,12 @@ def test_stage_meter_gpu_seconds_and_failure_still_records():
 
 def test_cycle_cost_reprices_and_splits():
     stages = [
-        StageCost("rollouts", cpu_core_seconds=7200, gpu_seconds={"H100": 360}, dollars=123.0),
-        StageCost("learner", cpu_core_seconds=1800, gpu_seconds={"H100": 720}),
+        StageCost("rollout", cpu_core_seconds=7200, gpu_seconds={"H100": 360}, dollars=123.0),
+        StageCost("learn", cpu_core_seconds=1800, gpu_seconds={"H100": 720}),
     ]
     c = cycle_cost(stages, PriceTable())
-    # rollouts: 2 h * 0.048 + 0.1 h * 2.99 = 0.395; learner: 0.5 h * 0.048 + 0.2 h * 2.99 = 0.622
-    assert c.by_stage == pytest.approx({"rollouts": 0.395, "learner": 0.622})
+    # rollout: 2 h * 0.048 + 0.1 h * 2.99 = 0.395; learn: 0.5 h * 0.048 + 0.2 h * 2.99 = 0.622
+    assert c.by_stage == pytest.approx({"rollout": 0.395, "learn": 0.622})
     assert c.dollars == pytest.approx(1.017)
     assert c.cpu_dollars == pytest.approx(0.12) and c.gpu_dollars == pytest.approx(0.897)
     cheaper = cycle_cost(stages, PriceTable(gpu_hour={"H100": 0.0}, cpu_core_hour=0.048))
@@ -131,6 +122,18 @@ def test_campaign_cumulative_by_hand():
         Campaign().add(CycleRecord(1, 0.5, 0.5, 0.0, False))
     # No deploy yet: no gain bought.
     assert Campaign.from_records([campaign_records()[1]]).cumulative_ipd() == 0.0
+
+
+def test_cycle_metrics_by_hand():
+    campaign = Campaign.from_records(campaign_records())
+    stages = [StageCost("rollout", cpu_core_seconds=7200, gpu_seconds={"H100": 360}), StageCost("learn", 1800, {"H100": 720})]
+    m = cycle_metrics(campaign.records[-1], campaign, cycle_cost(stages, PriceTable()))
+    # cycle 3: (0.61 - 0.52) / 0.05 = 1.8; campaign: (0.61 - 0.40) / 0.10 = 2.1
+    assert m["gain"] == pytest.approx(0.09) and m["intelligence_per_dollar"] == pytest.approx(1.8)
+    assert m["cumulative_intelligence_per_dollar"] == pytest.approx(2.1) and m["campaign_cost_usd"] == pytest.approx(0.10)
+    assert (m["deployed"], m["candidate_ci_lo"], m["champion_ci_hi"]) == (1.0, 0.54, 0.59)
+    assert m["cost_usd_stage.rollout"] == pytest.approx(0.395) and m["cost_usd_gpu"] == pytest.approx(0.897)
+    assert "cost_usd_cpu" not in cycle_metrics(campaign.records[-1], campaign)
 
 
 def test_ipd_plot_draws_what_the_campaign_says(tmp_path):

@@ -13,8 +13,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ops.harvest import harvester as hv
-from ops.harvest.harvester import ConservationError, HarvestCounts, HarvestConfig, harvest, read_failures
+from ops.harvest import classify, harvester
+from ops.harvest.classify import ConservationError, HarvestCounts
+from ops.harvest.failures import failures_version, read_failures
+from ops.harvest.harvester import HarvestConfig, harvest
 from ops.common.paths import home
 from ops.tasks.task_world import generate_tasks, normalize_question
 from ops.harvest.contract import TRACES, TRACES_JSON, write_traces
@@ -162,7 +164,7 @@ def test_compacting_failures_in_memory_changes_nothing(tmp_path, monkeypatch):
     rows = [rec(i, "failure" if i % 4 else "error", error_type="E") for i in range(300)]
     versions = []
     for name, compact in (("plain", 10**9), ("compact", 7)):
-        monkeypatch.setattr(hv, "_COMPACT_ROWS", compact)
+        monkeypatch.setattr(classify, "COMPACT_ROWS", compact)
         monkeypatch.setenv("PERPETUA_HOME", str(tmp_path / name))
         for k in range(3):
             (home().ensure().landing / f"f{k}.jsonl").write_bytes(lines(*rows[100 * k : 100 * (k + 1)]))
@@ -243,7 +245,7 @@ def test_a_crash_before_the_commit_is_redone_not_doubled(perpetua_home, monkeypa
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(hv, "_write_cursor", crash)
+    monkeypatch.setattr(harvester, "write_cursor", crash)  # the commit point
     with pytest.raises(OSError):
         harvest(SETTINGS)
     monkeypatch.undo()
@@ -302,7 +304,7 @@ def test_cli_harvest_runs_through_dagster(perpetua_home, monkeypatch, capsys):
 
 
 def pq_hash(path: str) -> str:
-    return hv.failures_version(pq.read_table(path))
+    return failures_version(pq.read_table(path))
 
 
 def test_bench_small():

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ops.harvest.harvester import HarvestConfig, MlflowTraceSource, harvest, read_failures
+from ops.harvest.failures import read_failures
+from ops.harvest.harvester import HarvestConfig, harvest
+from ops.harvest.mlflow_source import MlflowTraceSource
 from ops.tasks.task_world import calc, generate_tasks
 
 

@@ -7,7 +7,9 @@ import socket
 
 import pytest
 
-from ops.cost.model import Campaign, CycleRecord, PriceTable, StageCost, cycle_cost
+from ops.cost.accounting import Campaign, CycleRecord, cycle_cost
+from ops.cost.meter import StageCost
+from ops.cost.prices import PriceTable
 from ops.cost.plot import ipd_figure
 from ops.common.paths import Home
 from ops.common.tables import REWARDS, table_hash, write_table

@@ -27,9 +27,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from ops.cost.model import Campaign, CycleCost, CycleRecord
+from ops.cost.accounting import Campaign, CycleCost, CycleRecord
 
 DEFAULT_UI_URL = "http://127.0.0.1:5000"  # where ops.serving.mlflow_server serves the local store
+
+REGISTERED_MODEL = "perpetua-policy"  # the registered model of deployed policies
 
 # Tag keys (searchable: `tags."perpetua.cycle" = '3'`).
 TAG_KIND = "perpetua.kind"  # "cycle" on parent runs, "stage" on nested runs

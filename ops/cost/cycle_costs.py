@@ -8,7 +8,9 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ops.cost.model import CycleCost, PriceTable, StageCost, cycle_cost
+from ops.cost.accounting import CycleCost, cycle_cost
+from ops.cost.meter import StageCost
+from ops.cost.prices import PriceTable
 
 
 def _dir(data_dir: Path, cycle: int) -> Path:

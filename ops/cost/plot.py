@@ -14,7 +14,7 @@ from typing import Sequence
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from ops.cost.model import Campaign, CycleRecord
+from ops.cost.accounting import Campaign, CycleRecord
 
 CHAMPION_COLOR = "#1f77b4"
 CANDIDATE_COLOR = "#ff7f0e"
