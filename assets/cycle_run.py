@@ -1,14 +1,27 @@
-"""The MLflow parent run of a cycle: the `perpetua/mlflow_run_id` run tag when the launcher
-(demo, sensor) opened it, else found or opened by (cycle, Dagster run id), so every stage of one
-run logs under the same parent; and how a finished cycle run closes it.
+"""The MLflow parent run of a cycle, owned here from open to close.
+
+- Open: the launcher opens it before the Dagster run starts (`launched`, used by the demo) and
+  passes it to the run as the `perpetua/mlflow_run_id` tag; a run that carries no such tag (the
+  retraining sensor's, the UI's) gets it from its first stage, found or opened by (cycle,
+  Dagster run id) in `cycle_run_id`, so every stage of one run logs under the same parent.
+- Nest: each stage opens its own run under `cycle_run_id(...)` with `tracking.stage_run`.
+- Close: with the cycle's outcome. The launcher closes what it launched (`LaunchedCycle.finish`,
+  or on the way out of `launched` when interrupted or broken); the run-status sensors
+  (pipelines/sensors.py) close the runs the daemon launched (`close_dagster_run`). Closing is
+  idempotent: a run already ended keeps its status.
 
 A cycle ends one of four ways: it deployed (`success`), the deploy gate blocked the candidate
 (`gate-blocked`: a designed outcome, so its MLflow run is FINISHED, not FAILED), it was
-interrupted (`interrupted`: Ctrl-C or a termination; KILLED), or something broke (`failed`). The demo and the run-status sensors (pipelines/sensors.py) decide it the same
-way, from the run's Dagster events.
+interrupted (`interrupted`: Ctrl-C or a termination; KILLED), or something broke (`failed`).
+Both closers decide it the same way, from the run's Dagster events (`cycle_outcome`).
 """
 
-from collections.abc import Iterable
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 from ops.common import tracking
 
@@ -16,24 +29,42 @@ PARENT_RUN_TAG = "perpetua/mlflow_run_id"
 MLFLOW_STATUS = {"success": "FINISHED", "gate-blocked": "FINISHED", "interrupted": "KILLED", "failed": "FAILED"}
 
 
+# ---- open ---------------------------------------------------------------------------------------
+
+
+def open_cycle_run(uri: str, experiment: str, cycle: int, *, dagster_run_id: str | None = None,
+                   launcher: str | None = None) -> str:
+    """A new parent run for `cycle`; returns its MLflow run id."""
+    tags = tracking.dagster_tags(dagster_run_id) | ({tracking.TAG_LAUNCHER: launcher} if launcher else {})
+    return tracking.start_cycle_run(uri, experiment, cycle, tags=tags)
+
+
 def cycle_run_id(context, uri: str, experiment: str, cycle: int) -> str:
+    """The parent run a stage of this Dagster run nests under: the launcher's (run tag), else the
+    one an earlier stage of the run opened, else a new one."""
     tagged = context.run.tags.get(PARENT_RUN_TAG)
     if tagged:
         return tagged
     found = find_cycle_run(uri, experiment, context.run_id, cycle)
     if found:
         return found
-    return tracking.start_cycle_run(uri, experiment, cycle, tags=tracking.dagster_tags(context.run_id))
+    return open_cycle_run(uri, experiment, cycle, dagster_run_id=context.run_id)
 
 
 def find_cycle_run(uri: str, experiment: str, dagster_run_id: str, cycle: int | None = None) -> str | None:
     """The MLflow parent run opened for `dagster_run_id` (and `cycle`, when given), or None."""
-    exp_id = tracking.ensure_experiment(uri, experiment)
+    c = tracking.client(uri)
+    exp = c.get_experiment_by_name(experiment)
+    if exp is None:
+        return None
     query = f"tags.`{tracking.TAG_KIND}` = 'cycle' and tags.`{tracking.TAG_DAGSTER_RUN}` = '{dagster_run_id}'"
     if cycle is not None:
         query += f" and tags.`{tracking.TAG_CYCLE}` = '{cycle}'"
-    found = tracking.client(uri).search_runs([exp_id], filter_string=query, max_results=1)
+    found = c.search_runs([exp.experiment_id], filter_string=query, max_results=1)
     return found[0].info.run_id if found else None
+
+
+# ---- close --------------------------------------------------------------------------------------
 
 
 def cycle_outcome(succeeded: bool, events: Iterable) -> str:
@@ -53,3 +84,78 @@ def cycle_outcome(succeeded: bool, events: Iterable) -> str:
     step_errors = [e.step_failure_data.error for e in events if e.is_step_failure]
     only_checks = all(err is not None and err.cls_name == "DagsterAssetCheckFailedError" for err in step_errors)
     return "gate-blocked" if check_failed and only_checks else "failed"
+
+
+def close(uri: str, run_id: str, outcome: str, dagster_run_id: str | None = None) -> str | None:
+    """End the parent run with `outcome`'s status (and tag the outcome and the Dagster run that
+    ran the cycle); returns the status set, or None when the run had already ended: whoever
+    closed it first decided, and the record is not rewritten."""
+    status = MLFLOW_STATUS[outcome]
+    c = tracking.client(uri)
+    run = c.get_run(run_id)
+    if run.info.status != "RUNNING":
+        return None
+    tags = {tracking.TAG_OUTCOME: outcome}
+    if dagster_run_id and tracking.TAG_DAGSTER_RUN not in run.data.tags:
+        tags[tracking.TAG_DAGSTER_RUN] = dagster_run_id
+    tracking.RunLog(uri, run_id).set_tags(tags)
+    tracking.end_run(uri, run_id, status)
+    return status
+
+
+@dataclass(frozen=True)
+class Closed:
+    """What closing a finished Dagster cycle run did to its MLflow parent run."""
+
+    outcome: str
+    mlflow_run_id: str | None  # None: the Dagster run opened no MLflow run
+    status: str | None  # None: nothing to close, or already closed
+
+
+def close_dagster_run(uri: str, experiment: str, run, succeeded: bool, events: Iterable) -> Closed:
+    """Close the parent run of the finished Dagster run `run` (a DagsterRun) by its outcome."""
+    outcome = cycle_outcome(succeeded, events)
+    parent = run.tags.get(PARENT_RUN_TAG) or find_cycle_run(uri, experiment, run.run_id)
+    if parent is None:
+        return Closed(outcome, None, None)
+    return Closed(outcome, parent, close(uri, parent, outcome, run.run_id))
+
+
+@dataclass
+class LaunchedCycle:
+    """A cycle run opened by its launcher: pass `tags` to the Dagster run, `finish` it after."""
+
+    uri: str
+    run_id: str
+    outcome: str | None = None
+
+    @property
+    def tags(self) -> dict[str, str]:
+        return {PARENT_RUN_TAG: self.run_id}
+
+    def finish(self, result) -> str:
+        """Close the run by the outcome of the Dagster run `result` (an execute_in_process result,
+        or anything with `success`, `all_events` and `run_id`); returns the outcome."""
+        self.outcome = cycle_outcome(result.success, result.all_events)
+        close(self.uri, self.run_id, self.outcome, result.run_id)
+        return self.outcome
+
+
+@contextmanager
+def launched(uri: str, experiment: str, cycle: int, launcher: str) -> Iterator[LaunchedCycle]:
+    """Open the parent run of a cycle about to be launched. Leaving the block without `finish`
+    closes it too, so no cycle stays RUNNING: KILLED when interrupted (Ctrl-C, a termination),
+    FAILED on an error or when the block simply ends."""
+    cycle_run = LaunchedCycle(uri, open_cycle_run(uri, experiment, cycle, launcher=launcher))
+    try:
+        yield cycle_run
+    except BaseException as e:
+        if cycle_run.outcome is None:
+            outcome = "failed" if isinstance(e, Exception) else "interrupted"
+            try:
+                close(uri, cycle_run.run_id, outcome)
+            except Exception as close_error:  # the launcher's own error is the one to raise
+                warnings.warn(f"could not close MLflow run {cycle_run.run_id} as {outcome}: {close_error}", stacklevel=3)
+        raise
+    if cycle_run.outcome is None:
+        close(uri, cycle_run.run_id, "failed")

@@ -14,15 +14,16 @@ from pydantic import Field
 from ops.harvest.harvester import HARVEST_CODE_VERSION, HarvestConfig, HarvestResult, harvest
 from ops.harvest.known_versions import resolve_known_versions
 from ops.harvest.mlflow_source import MlflowTraceSource
-from ops.common.paths import home
+from ops.common import tracking
 
 
 class HarvestedFailuresConfig(dg.Config):
     known_model_versions: list[str] | None = Field(
         default=None, description="Accepted model versions; default: env PERPETUA_KNOWN_MODEL_VERSIONS, else the MLflow registry."
     )
-    registered_model_name: str = Field(default="perpetua-policy", description="Registered model whose versions are known.")
-    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow tracking URI (default: env, else PERPETUA_HOME/mlflow).")
+    registered_model_name: str = Field(default=tracking.REGISTERED_MODEL, description="Registered model whose versions are known.")
+    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow tracking URI (default: env MLFLOW_TRACKING_URI, "
+                                            "else the running local MLflow server, else PERPETUA_HOME/mlflow).")
     mlflow_trace_experiments: list[str] = Field(default=[], description="Also harvest MLflow traces from these experiments.")
     max_record_bytes: int = Field(default=1 << 20, description="Larger records are quarantined as oversized.")
 
@@ -36,12 +37,13 @@ class HarvestedFailuresConfig(dg.Config):
 )
 def harvested_failures(context: dg.AssetExecutionContext, config: HarvestedFailuresConfig) -> dg.MaterializeResult:
     """Validated, deduplicated production failures (bad records quarantined with reasons)."""
-    known, known_from = resolve_known_versions(config.known_model_versions, config.mlflow_tracking_uri, config.registered_model_name)
+    registry_uri = tracking.existing_tracking_uri(config.mlflow_tracking_uri)  # None: no registry yet
+    known, known_from = resolve_known_versions(config.known_model_versions, registry_uri, config.registered_model_name)
     if not known:
         context.log.warning(f"no known model versions ({known_from}): every landed record will be quarantined")
     mlflow = None
     if config.mlflow_trace_experiments:
-        uri = config.mlflow_tracking_uri or f"sqlite:///{home().mlflow / 'mlflow.db'}"
+        uri = tracking.tracking_uri(config.mlflow_tracking_uri)
         mlflow = MlflowTraceSource(tracking_uri=uri, experiment_names=config.mlflow_trace_experiments)
     result = harvest(HarvestConfig(known_model_versions=known, max_record_bytes=config.max_record_bytes, mlflow=mlflow))
     return dg.MaterializeResult(metadata=harvest_metadata(result, sorted(known), known_from), data_version=dg.DataVersion(result.data_version))

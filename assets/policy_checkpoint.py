@@ -41,7 +41,8 @@ class PolicyCheckpointConfig(dg.Config):
     precision: str = Field(default="fp32", description="fp32, or bf16 on CUDA.")
     learner_overrides_json: str = Field(default="{}", description="Further ops.learn.config.LearnerConfig fields, "
                                         "as JSON (e.g. the loss or advantage settings).")
-    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow tracking URI (default: env, else "
+    mlflow_tracking_uri: str | None = Field(default=None, description="MLflow tracking URI (default: env "
+                                            "MLFLOW_TRACKING_URI, else the running local MLflow server, else "
                                             "PERPETUA_HOME/mlflow).")
     mlflow_experiment: str = Field(default="perpetua", description="Experiment of the learner run when it has no parent.")
     mlflow_parent_run_id: str | None = Field(default=None, description="The cycle's MLflow run; the learner run is "
@@ -68,7 +69,7 @@ def _learner_config(config: PolicyCheckpointConfig, base_hf: Path):
 def _mlflow_run(context, config: PolicyCheckpointConfig, cycle: int, learner_cfg) -> tuple[str, str]:
     from ops.common import tracking
 
-    uri = config.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or tracking.local_store(home().mlflow)[0]
+    uri = tracking.tracking_uri(config.mlflow_tracking_uri)
     tags = tracking.dagster_tags(context.run_id, "policy_checkpoint") | {tracking.TAG_CYCLE: str(cycle)}
     params = {"learner": json.loads(learner_cfg.model_dump_json()), "cycle": cycle}
     parent = config.mlflow_parent_run_id or cycle_run_id(context, uri, config.mlflow_experiment, cycle)

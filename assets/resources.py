@@ -11,8 +11,6 @@ from pathlib import Path
 
 import dagster as dg
 
-from ops.common.paths import home
-
 
 class PolicyServer(dg.ConfigurableResource):
     """A long-lived vLLM OpenAI-compatible server; `engine()` returns a client holding `version`."""
@@ -65,20 +63,17 @@ class PolicyServer(dg.ConfigurableResource):
 
 
 class MlflowTracking(dg.ConfigurableResource):
-    """Where the MLflow record goes: MLFLOW_TRACKING_URI; else the local MLflow server of this
-    PERPETUA_HOME when one runs (it serialises writes); else its SQLite store directly."""
+    """Where the MLflow record goes: `tracking_uri` when set, else what
+    `ops.common.tracking.tracking_uri` resolves (MLFLOW_TRACKING_URI; the local MLflow server of
+    this PERPETUA_HOME when one runs; its SQLite store)."""
 
     tracking_uri: str = ""
     experiment: str = "perpetua"
 
     def uri(self) -> str:
         from ops.common import tracking
-        from ops.serving import mlflow_server
 
-        if self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"):
-            return self.tracking_uri or os.environ["MLFLOW_TRACKING_URI"]
-        server = mlflow_server.status(home())
-        return server.url if server else tracking.local_store(home().mlflow)[0]
+        return tracking.tracking_uri(self.tracking_uri or None)
 
 
 def for_environment(env: str | None = None) -> dict:

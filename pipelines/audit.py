@@ -1,7 +1,7 @@
 """The audit walk: from a registered model version to the production traces it learned from.
 
-1. The MLflow registry says which Dagster run deployed the version: the version tag
-   `perpetua.dagster_run_id` (set by the deployment asset), else the `dagster.run_id` tag of the
+1. The MLflow registry says which Dagster run deployed the version: its `dagster.run_id` tag
+   (`ops.common.tracking.TAG_DAGSTER_RUN`, set by the deployment asset), else the same tag on the
    MLflow run the version was registered from.
 2. In the Dagster instance (DAGSTER_HOME = PERPETUA_HOME/dagster), that run's materialization of
    the first of `START_ASSETS` it made is the start of the lineage (normally `deployment`).
@@ -18,7 +18,6 @@ Nothing here depends on which assets exist: the walk goes wherever the graph goe
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,13 +35,15 @@ from ops.common.lineage import (
     inputs_from_tags,
     trace_ids_of,
 )
+from ops.common.tracking import (
+    REGISTERED_MODEL,
+    TAG_DAGSTER_RUN,
+    TAG_EVAL_DATA_VERSION,
+    TAG_POLICY_VERSION,
+    tracking_uri,  # noqa: F401  (the store the audit reads by default)
+)
 
-REGISTERED_MODEL = "perpetua-policy"
 START_ASSETS = ("deployment", "eval_report", "policy_checkpoint")
-TAG_DAGSTER_RUN = "perpetua.dagster_run_id"  # registry version tags set by the deployment asset
-TAG_POLICY_VERSION = "perpetua.policy_version"
-TAG_EVAL_DATA_VERSION = "perpetua.eval_data_version"
-MLFLOW_RUN_TAG = "dagster.run_id"  # ops.common.tracking.TAG_DAGSTER_RUN on MLflow runs
 _PAGE = 200
 _MAX_SCAN = 100_000  # events of one asset scanned when searching by data version
 
@@ -61,14 +62,6 @@ class ModelVersionRef:
 
 
 # ---- where things live ---------------------------------------------------------------------
-
-
-def tracking_uri() -> str:
-    """MLFLOW_TRACKING_URI, else the local store PERPETUA_HOME/mlflow."""
-    from ops.common import tracking
-    from ops.common.paths import home
-
-    return os.environ.get("MLFLOW_TRACKING_URI") or tracking.local_store(home().mlflow)[0]
 
 
 def project_instance() -> dg.DagsterInstance:
@@ -146,14 +139,14 @@ def deploying_run_id(uri: str, ref: ModelVersionRef) -> str:
         from ops.common import tracking
 
         try:
-            run_tag = tracking.client(uri).get_run(ref.mlflow_run_id).data.tags.get(MLFLOW_RUN_TAG)
+            run_tag = tracking.client(uri).get_run(ref.mlflow_run_id).data.tags.get(TAG_DAGSTER_RUN)
         except MlflowException:
             run_tag = None
         if run_tag:
             return run_tag
     raise AuditError(
         f"model {ref.name!r} version {ref.version} names no Dagster run (no {TAG_DAGSTER_RUN} tag, and its MLflow run "
-        f"{ref.mlflow_run_id or '-'} has no {MLFLOW_RUN_TAG} tag): it was not deployed through Dagster"
+        f"{ref.mlflow_run_id or '-'} has no such tag): it was not deployed through Dagster"
     )
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Callable
 
 from assets.cycle import CYCLE_JOB, CYCLE_TAG, TRIGGER_TAG
-from assets.cycle_run import MLFLOW_STATUS, PARENT_RUN_TAG, cycle_outcome
+from assets import cycle_run
+from assets.cycle_run import cycle_outcome
 from ops.policy import versions as policies
 from ops.deploy import registry
 from ops.tasks import task_world
@@ -72,7 +73,8 @@ def ensure_champion(uri: str, production, log: Callable[[str], None]) -> str:
     if current is not None:
         production.serve(registry.model_dir(uri, name, current))
         return current
-    version = registry.register_candidate(uri, policies.hf_dir(0), name, tags={"perpetua.policy_version": 0, "perpetua.cycle": 0})
+    version = registry.register_candidate(uri, policies.hf_dir(0), name,
+                                          tags={tracking.TAG_POLICY_VERSION: 0, tracking.TAG_CYCLE: 0})
     registry.deploy(uri, name, version, lambda v, d: production.serve(d))
     from assets.deployment import write_champion_pointer
 
@@ -184,7 +186,9 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
     instance = dg.DagsterInstance.get()
     started_mlflow = mlflow_server.status(h) is None
     server = mlflow_server.start(h, port=int(os.environ.get("PERPETUA_MLFLOW_PORT", mlflow_server.DEFAULT_PORT)))
-    os.environ["MLFLOW_TRACKING_URI"] = server.url
+    # The demo's record is this server: the Dagster runs it executes resolve the same URI.
+    uri = server.url
+    os.environ[tracking.ENV_TRACKING_URI] = uri
     resources = for_environment()
     production = resources["production_server"]
     started_servers = [p for p in (production.port, resources["trainer_server"].port) if vllm_server.status(p) is None]
@@ -198,33 +202,30 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
         with ThreadPoolExecutor(max_workers=1) as pool:
             latest = policies.latest_version()
             trainer_up = pool.submit(resources["trainer_server"].warm, policies.hf_dir(latest), latest)
-            champion = ensure_champion(server.url, production, log)
+            champion = ensure_champion(uri, production, log)
             trainer_up.result()
         first = previous_cycles(instance) + 1
         total = first + settings.cycles - 1
         for cycle in range(first, first + settings.cycles):
             t0 = time.monotonic()
             lo, hi = (cycle - 1) / total, cycle / total  # production time advances and drifts
-            champion = registry.champion_version(server.url, policies.REGISTERED_MODEL)
+            champion = registry.champion_version(uri, policies.REGISTERED_MODEL)
             traffic = production_traffic(production, champion, settings.traffic_per_cycle, lo, hi, seed=cycle)
             failure_rates += [{"cycle": cycle, "family": fam, "rate": rate} for fam, rate in traffic["failure_rate"].items()]
             log(f"cycle {cycle}: {traffic['requests']} production requests (drift t {lo:.2f}-{hi:.2f}), "
                 f"failure rate {traffic['overall_failure_rate']:.2f}")
-            parent = tracking.start_cycle_run(server.url, settings.experiment, cycle, tags={"perpetua.launcher": "demo"})
-            try:
+            # The MLflow parent run is closed by its outcome, or KILLED if Ctrl-C lands outside the run.
+            with cycle_run.launched(uri, settings.experiment, cycle, launcher="demo") as parent:
                 result = defs.resolve_job_def(CYCLE_JOB).execute_in_process(
-                    instance=instance, tags={CYCLE_TAG: str(cycle), PARENT_RUN_TAG: parent, TRIGGER_TAG: "demo"},
+                    instance=instance, tags={CYCLE_TAG: str(cycle), TRIGGER_TAG: "demo", **parent.tags},
                     run_config=job_run_config(settings, CYCLE_JOB), raise_on_error=False)
-            except BaseException:  # interrupted (Ctrl-C): the MLflow record says so, not RUNNING forever
-                tracking.end_run(server.url, parent, MLFLOW_STATUS["interrupted"])
-                raise
-            row = cycle_row(cycle, result, traffic, parent, time.monotonic() - t0)
-            tracking.end_run(server.url, parent, MLFLOW_STATUS[row["run_outcome"]])
+                parent.finish(result)
+            row = cycle_row(cycle, result, traffic, parent.run_id, time.monotonic() - t0)
             if row["run_outcome"] == "interrupted":  # Dagster caught the Ctrl-C and failed the run
                 raise KeyboardInterrupt
             rows.append(row)
             print_row(row)
-        champion = registry.champion_version(server.url, policies.REGISTERED_MODEL)
+        champion = registry.champion_version(uri, policies.REGISTERED_MODEL)
         final = production_traffic(production, champion, settings.traffic_per_cycle, 1.0, 1.0, seed=10_000 + total)
         log(f"after cycle {total}: production failure rate {final['overall_failure_rate']:.2f}")
         failure_rates += [{"cycle": total + 1, "family": fam, "rate": rate} for fam, rate in final["failure_rate"].items()]

@@ -7,7 +7,7 @@ arrived since its last run request it requests a run of the cycle job, with a ru
 the request number and the landing listing it saw: a tick that is evaluated twice from the
 same cursor asks for the same run key, and Dagster starts one run per key.
 
-The lead defines the job `perpetua_cycle`; it is referenced by name here. A requested run carries
+The job `perpetua_cycle` is referenced by name here. A requested run carries
 the `perpetua/cycle` tag (the next cycle number, counted from the instance's cycle runs), which
 `assets.cycle.cycle_of` reads.
 """
@@ -23,8 +23,7 @@ from pathlib import Path
 import dagster as dg
 
 from assets.cycle import CYCLE_JOB, CYCLE_TAG, TRIGGER_TAG
-from assets.cycle_run import MLFLOW_STATUS, PARENT_RUN_TAG, cycle_outcome, find_cycle_run
-from ops.common import tracking
+from assets.cycle_run import close_dagster_run
 from ops.harvest.landing import estimate_new_failures
 from ops.common.paths import home
 from assets.resources import MlflowTracking
@@ -91,10 +90,10 @@ SENSORS = [retraining_sensor]
 
 
 # ---- closing a cycle's MLflow run ---------------------------------------------------------------
-# A cycle's MLflow parent run is opened by whoever launched the cycle or by its first stage. The
-# demo closes the runs it launches; for runs the daemon launches (the retraining sensor, the UI),
-# these two run-status sensors do, so no cycle stays RUNNING in MLflow. They only keep records,
-# so they run by default.
+# A cycle's MLflow parent run is opened by whoever launched the cycle or by its first stage
+# (assets/cycle_run.py). The demo closes the runs it launches; for runs the daemon launches (the
+# retraining sensor, the UI), these two run-status sensors do, so no cycle stays RUNNING in
+# MLflow. They only keep records, so they run by default.
 
 
 def _close_cycle_mlflow_run(context: dg.RunStatusSensorContext, mlflow: MlflowTracking, succeeded: bool):
@@ -102,13 +101,12 @@ def _close_cycle_mlflow_run(context: dg.RunStatusSensorContext, mlflow: MlflowTr
     if run.job_name != CYCLE_JOB:
         return dg.SkipReason(f"{run.job_name} is not a cycle run")
     events = [record.dagster_event for record in context.instance.all_logs(run.run_id)]
-    outcome = cycle_outcome(succeeded, events)
-    uri = mlflow.uri()
-    parent = run.tags.get(PARENT_RUN_TAG) or find_cycle_run(uri, mlflow.experiment, run.run_id)
-    if parent is None:
+    closed = close_dagster_run(mlflow.uri(), mlflow.experiment, run, succeeded, events)
+    if closed.mlflow_run_id is None:
         return dg.SkipReason(f"run {run.run_id} opened no MLflow run")
-    tracking.end_run(uri, parent, MLFLOW_STATUS[outcome])
-    context.log.info(f"cycle run {run.run_id}: {outcome}; MLflow run {parent} ended {MLFLOW_STATUS[outcome]}")
+    if closed.status is None:
+        return dg.SkipReason(f"cycle run {run.run_id}: MLflow run {closed.mlflow_run_id} was already ended")
+    context.log.info(f"cycle run {run.run_id}: {closed.outcome}; MLflow run {closed.mlflow_run_id} ended {closed.status}")
     return None
 
 

@@ -1,18 +1,78 @@
-"""Shared fixtures: an isolated PERPETUA_HOME per test, and session-wide tiny policies.
+"""Shared fixtures: an isolated PERPETUA_HOME per test, session-wide tiny policies, and a guard
+that the test session leaves no new file in the repository tree.
 
 `random_policy_dir` is the tiny MoE with random weights (for parity and plumbing);
 `base_policy_dir` is a quickly bootstrapped one (short SFT) that writes well-formed episodes,
 for tests that need a policy that calls the tool. Both are HF Mixtral directories.
+
+`repository_tree_stays_clean` lists the untracked and ignored files of the repository before and
+after the session and fails the session when new ones appeared (state written relative to the
+working directory: MLflow's default ./mlflow.db, a ./.perpetua, ...). Changes to tracked files do
+not count, and neither do new untracked source files (*.py, *.md: code and docs being written
+next to a running session are not state). PERPETUA_TREE_GUARD=0 switches the guard off. Only light
+modules are imported here at the top: the guard's own test runs this conftest in a fresh
+interpreter.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+GUARD_MESSAGE = "the test session left new files in the repository tree"
+# Written by the interpreter, pytest and the editable install, not by the code under test.
+_NOT_STATE_DIRS = {".venv", "__pycache__", ".pytest_cache", ".git"}
+_SOURCE_SUFFIXES = (".py", ".md")
+
+
+def _not_state(path: str) -> bool:
+    parts = path.rstrip("/").split("/")
+    return any(p in _NOT_STATE_DIRS or p.endswith(".egg-info") for p in parts)
+
+
+def untracked_and_ignored(root: Path) -> set[str] | None:
+    """Paths under `root` that git does not track (ignored files, and untracked ones other than
+    source), one per file; None when `root` is not a git work tree or git is unavailable."""
+    cmd = ["git", "--no-optional-locks", "-C", str(root), "status", "--porcelain", "-z",
+           "--untracked-files=all", "--ignored", "--", ".", ":(exclude).venv"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    entries = out.split("\0")
+    ignored = {e[3:] for e in entries if e.startswith("!! ")}
+    untracked = {e[3:] for e in entries if e.startswith("?? ") and not e.endswith(_SOURCE_SUFFIXES)}
+    return {path for path in ignored | untracked if not _not_state(path)}
+
+
+def _repository_root() -> Path | None:
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "-C", str(here), "rev-parse", "--show-toplevel"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return Path(out) if out else None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def repository_tree_stays_clean():
+    root = None if os.environ.get("PERPETUA_TREE_GUARD", "1") == "0" else _repository_root()
+    before = untracked_and_ignored(root) if root is not None else None
+    yield
+    if before is None:
+        return
+    after = untracked_and_ignored(root)
+    new = sorted((after or set()) - before)
+    if new:
+        listing = "\n".join(f"  {p}" for p in new[:50]) + (f"\n  ... and {len(new) - 50} more" if len(new) > 50 else "")
+        pytest.fail(f"{GUARD_MESSAGE} ({root}):\n{listing}\nWrite under tmp_path or PERPETUA_HOME instead "
+                    f"(and delete these).", pytrace=False)
 
 
 @pytest.fixture

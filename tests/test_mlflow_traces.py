@@ -12,19 +12,24 @@ from ops.tasks.task_world import calc, generate_tasks
 
 
 @pytest.fixture
-def mlflow_store(tmp_path):
+def mlflow_store(tmp_path, monkeypatch):
     import mlflow
 
-    previous = mlflow.get_tracking_uri()
+    from ops.common import tracking
+
     uri = f"sqlite:///{tmp_path.resolve()}/mlflow.db"  # absolute: sqlite:////tmp/...
+    # set_tracking_uri also writes MLFLOW_TRACKING_URI into os.environ; monkeypatch restores the
+    # variable afterwards. Setting back what mlflow.get_tracking_uri() said before would instead
+    # export MLflow's default, mlflow.db in the working directory, to every later test.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     mlflow.set_tracking_uri(uri)
     # An explicit artifact location: the default is ./mlruns under the working directory.
-    mlflow.MlflowClient(uri).create_experiment("production", artifact_location=(tmp_path / "artifacts").as_uri())
+    tracking.client(uri).create_experiment("production", artifact_location=(tmp_path / "artifacts").as_uri())
     mlflow.set_experiment("production")
     try:
         yield uri
     finally:
-        mlflow.set_tracking_uri(previous)
+        mlflow.set_tracking_uri(None)  # unset: the variable is back to what it was once monkeypatch undoes
         import mlflow.tracking.fluent as fluent
 
         fluent._active_experiment_id = None  # the next user picks its own experiment

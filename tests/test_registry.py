@@ -9,9 +9,7 @@ import pytest
 
 from ops.deploy import registry
 from ops.deploy.registry import CHAMPION, PREVIOUS, DeployError, RegistryError
-from ops.common.tracking import client, local_store, stage_run, start_cycle_run
-
-NAME = "perpetua-policy"
+from ops.common.tracking import REGISTERED_MODEL as NAME, client, local_store, stage_run, start_cycle_run
 
 
 @pytest.fixture(scope="module")

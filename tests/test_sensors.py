@@ -7,6 +7,7 @@ import json
 
 import dagster as dg
 import pyarrow as pa
+import pytest
 import pyarrow.parquet as pq
 
 from ops.common.paths import home
@@ -156,6 +157,9 @@ def test_closing_sensors_end_the_cycle_mlflow_run_by_outcome(tmp_path):
                                                          dagster_run=result.dagster_run, resources={"mlflow": mlflow})
             sensor(context if result.success else context.for_run_failure())
             ended[kind] = tracking.client(uri).get_run(parent).info.status
+            again = sensor(context if result.success else context.for_run_failure())  # a tick evaluated twice
+            assert isinstance(again, dg.SkipReason) and "already ended" in again.skip_message
+            assert tracking.client(uri).get_run(parent).info.status == ended[kind]
 
         # Another job's run is none of these sensors' business.
         other = dg.Definitions(assets=[dg.asset(name="x")(lambda: None)], jobs=[dg.define_asset_job("harvest")])
@@ -165,3 +169,39 @@ def test_closing_sensors_end_the_cycle_mlflow_run_by_outcome(tmp_path):
         skipped = cycle_mlflow_run_on_success(context)
     assert ended == {"deployed": "FINISHED", "blocked": "FINISHED", "interrupted": "KILLED", "broken": "FAILED"}
     assert isinstance(skipped, dg.SkipReason) and "not a cycle run" in skipped.skip_message
+
+
+def test_a_launched_cycle_run_is_closed_once_whatever_happens(tmp_path):
+    from types import SimpleNamespace
+
+    from assets import cycle_run
+    from ops.common import tracking
+
+    uri = tracking.local_store(tmp_path / "mlflow")[0]
+    c = tracking.client(uri)
+
+    with cycle_run.launched(uri, "perpetua", 1, launcher="demo") as deployed:
+        assert deployed.tags == {cycle_run.PARENT_RUN_TAG: deployed.run_id}
+        assert deployed.finish(SimpleNamespace(success=True, all_events=[], run_id="dg-1")) == "success"
+    run = c.get_run(deployed.run_id)
+    assert run.info.status == "FINISHED"
+    assert {k: run.data.tags[k] for k in (tracking.TAG_OUTCOME, tracking.TAG_DAGSTER_RUN, tracking.TAG_LAUNCHER,
+                                          tracking.TAG_KIND, tracking.TAG_CYCLE)} == {
+        tracking.TAG_OUTCOME: "success", tracking.TAG_DAGSTER_RUN: "dg-1", tracking.TAG_LAUNCHER: "demo",
+        tracking.TAG_KIND: "cycle", tracking.TAG_CYCLE: "1"}
+    # Whoever closes first decides: a second close (a sensor after the launcher) changes nothing.
+    assert cycle_run.close(uri, deployed.run_id, "failed") is None
+    assert c.get_run(deployed.run_id).info.status == "FINISHED"
+    assert cycle_run.find_cycle_run(uri, "perpetua", "dg-1") == deployed.run_id
+    assert cycle_run.find_cycle_run(uri, "no-such-experiment", "dg-1") is None
+
+    ended = {}
+    for name, error in (("interrupted", KeyboardInterrupt), ("broken", RuntimeError)):
+        with pytest.raises(error):
+            with cycle_run.launched(uri, "perpetua", 2, launcher="demo") as launched:
+                raise error()
+        ended[name] = c.get_run(launched.run_id).info.status
+    with cycle_run.launched(uri, "perpetua", 3, launcher="demo") as unfinished:
+        pass  # never finished: not left RUNNING
+    ended["unfinished"] = c.get_run(unfinished.run_id).info.status
+    assert ended == {"interrupted": "KILLED", "broken": "FAILED", "unfinished": "FAILED"}

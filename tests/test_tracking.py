@@ -20,6 +20,7 @@ from ops.common.tracking import (
     check_tracking_uri,
     client,
     dagster_tags,
+    existing_tracking_uri,
     load_campaign,
     local_store,
     log_cycle_metrics,
@@ -27,6 +28,7 @@ from ops.common.tracking import (
     stage_run,
     start_cycle_run,
     end_run,
+    tracking_uri,
 )
 
 EXPERIMENT = "perpetua-test"
@@ -55,6 +57,37 @@ def test_tracking_uri_must_be_absolute():
     with pytest.raises(TrackingError, match="unsupported"):
         check_tracking_uri("./mlruns")
     assert check_tracking_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+
+
+def test_one_rule_resolves_the_tracking_uri(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PERPETUA_HOME", "relative-home")  # resolved against the cwd, made absolute
+    h = Home((tmp_path / "relative-home").resolve())
+    local = f"sqlite:///{h.mlflow / 'mlflow.db'}"
+    assert local.startswith("sqlite:////")
+    # No setting, no server: the SQLite store under PERPETUA_HOME; readers find nothing there yet.
+    assert tracking_uri() == tracking_uri(None, h) == local
+    assert existing_tracking_uri() is None
+    h.mlflow.mkdir(parents=True)
+    (h.mlflow / "mlflow.db").touch()
+    assert existing_tracking_uri() == local
+    # The environment, then an explicit setting, take precedence; every answer is checked.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    assert tracking_uri() == existing_tracking_uri() == "http://127.0.0.1:5999"
+    assert tracking_uri("sqlite:////elsewhere/mlflow.db") == "sqlite:////elsewhere/mlflow.db"
+    with pytest.raises(TrackingError, match="relative sqlite"):
+        tracking_uri("sqlite:///mlflow.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")  # MLflow's own default: never used
+    with pytest.raises(TrackingError, match="relative sqlite"):
+        tracking_uri()
+    with pytest.raises(TrackingError, match="relative sqlite"):
+        client()
+    with pytest.raises(TrackingError, match="empty"):
+        client("")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert client() is client(local)  # one factory: uri None resolves, clients are shared per store
+    assert not list(tmp_path.glob("mlflow.db")) and not (tmp_path / "mlruns").exists()
 
 
 def test_a_recorded_cycle_reads_back(store, tmp_path):
@@ -171,14 +204,16 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(240)
-def test_mlflow_server_starts_serves_reuses_and_stops(tmp_path):
+def test_mlflow_server_starts_serves_reuses_and_stops(tmp_path, monkeypatch):
     from ops.serving import mlflow_server
 
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     h = Home(tmp_path / "home")
     port = _free_port()
     server = mlflow_server.start(h, port=port, timeout_s=180)
     try:
         assert not server.reused and mlflow_server.health(server.url)
+        assert tracking_uri(h=h) == server.url  # a running server of this home is the store's front
         assert mlflow_server.pid_file(h).exists()
         again = mlflow_server.start(h, port=port)
         assert again.reused and again.pid == server.pid
@@ -196,6 +231,7 @@ def test_mlflow_server_starts_serves_reuses_and_stops(tmp_path):
     # With the server stopped, the store is still whole: a run the Dagster daemon launches later
     # writes the SQLite store directly, into the experiment the server created.
     direct = local_store(h.mlflow)[0]
+    assert tracking_uri(h=h) == direct
     experiment = client(direct).get_experiment(client(direct).get_run(run_id).info.experiment_id)
     assert experiment.artifact_location.startswith((h.mlflow / "artifacts").resolve().as_uri())
     RunLog(direct, run_id).log_dict({"ok": "direct"}, "after.json")

@@ -29,6 +29,8 @@ from typing import Any, Mapping
 
 import pyarrow.parquet as pq
 
+from ops.common.tracking import TAG_POLICY_VERSION
+
 # Dagster's tag names (dagster._core.definitions.data_version), as plain strings.
 DATA_VERSION_TAG = "dagster/data_version"
 CODE_VERSION_TAG = "dagster/code_version"
@@ -141,7 +143,7 @@ class Audit:
 
     @property
     def policy_version(self) -> int | None:
-        tag = self.registry_tags.get("perpetua.policy_version")
+        tag = self.registry_tags.get(TAG_POLICY_VERSION)
         if tag is not None and tag.lstrip("-").isdigit():
             return int(tag)
         for h in self.hops:  # the nearest hop that names one (deployment, eval, checkpoint)

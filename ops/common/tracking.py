@@ -11,14 +11,19 @@ What a cycle leaves in MLflow:
 - a LoggedModel per checkpoint (`RunLog.log_checkpoint`), with metrics attached to the model;
 - the intelligence-per-dollar plot (`RunLog.log_figure`).
 
-Every function takes an explicit tracking URI: MLflow's default is a sqlite file relative to
-the working directory, and the fluent API's global state does not mix with several stores in
-one process (tests) or with Dagster's run processes. All calls go through `MlflowClient`.
+Where the record goes is decided in one place, `tracking_uri()`: an explicit setting, else
+MLFLOW_TRACKING_URI, else the running local MLflow server of this PERPETUA_HOME, else its SQLite
+store PERPETUA_HOME/mlflow/mlflow.db; every answer is checked by `check_tracking_uri` (MLflow's
+own default is a sqlite file relative to the working directory, which is never wanted here).
+Every other function takes that URI explicitly: the fluent API's global state does not mix with
+several stores in one process (tests) or with Dagster's run processes, so all calls go through
+`client()`, the one MlflowClient factory.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import warnings
 from contextlib import contextmanager
@@ -27,18 +32,26 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from ops.common.paths import Home, home
 from ops.cost.accounting import Campaign, CycleCost, CycleRecord
 
 DEFAULT_UI_URL = "http://127.0.0.1:5000"  # where ops.serving.mlflow_server serves the local store
+ENV_TRACKING_URI = "MLFLOW_TRACKING_URI"
 
 REGISTERED_MODEL = "perpetua-policy"  # the registered model of deployed policies
 
-# Tag keys (searchable: `tags."perpetua.cycle" = '3'`).
+# Tag keys, on runs and on registry versions (searchable: `tags."perpetua.cycle" = '3'`).
 TAG_KIND = "perpetua.kind"  # "cycle" on parent runs, "stage" on nested runs
 TAG_CYCLE = "perpetua.cycle"
 TAG_STAGE = "perpetua.stage"
+TAG_OUTCOME = "perpetua.cycle_outcome"  # on a closed cycle run: success, gate-blocked, interrupted, failed
+TAG_LAUNCHER = "perpetua.launcher"  # on a cycle run opened by whoever launched the cycle (the demo)
 TAG_EVAL_SET = "perpetua.eval_set_hash"
-TAG_DAGSTER_RUN = "dagster.run_id"
+TAG_POLICY_VERSION = "perpetua.policy_version"  # registry versions: the policy version they hold
+TAG_EVAL_DATA_VERSION = "perpetua.eval_data_version"  # registry versions: the eval_report they passed
+TAG_MODEL_ID = "perpetua.model_id"  # registry versions: their LoggedModel (the SQL store keeps no model_id)
+TAG_HF_DIR = "perpetua.hf_dir"
+TAG_DAGSTER_RUN = "dagster.run_id"  # the Dagster run, on MLflow runs and on the registry versions it deployed
 TAG_DAGSTER_ASSET = "dagster.asset_key"
 TAG_DAGSTER_PARTITION = "dagster.partition"
 TAG_PARENT = "mlflow.parentRunId"
@@ -77,13 +90,42 @@ def check_tracking_uri(uri: str) -> str:
     )
 
 
+def tracking_uri(explicit: str | None = None, h: Home | None = None) -> str:
+    """The tracking URI to use, checked: `explicit` (a config field, a CLI flag); else env
+    MLFLOW_TRACKING_URI; else the local MLflow server running for this PERPETUA_HOME (it
+    serialises the writes of concurrent processes); else the SQLite store under
+    PERPETUA_HOME/mlflow, written directly."""
+    if explicit:
+        return check_tracking_uri(explicit)
+    if os.environ.get(ENV_TRACKING_URI):
+        return check_tracking_uri(os.environ[ENV_TRACKING_URI])
+    from ops.serving import mlflow_server  # imports this module
+
+    h = h or home()
+    server = mlflow_server.status(h)
+    return check_tracking_uri(server.url) if server is not None else local_store(h.mlflow)[0]
+
+
+def existing_tracking_uri(explicit: str | None = None, h: Home | None = None) -> str | None:
+    """`tracking_uri`, or None when that is the local SQLite store and it does not exist yet: for
+    readers, which have nothing to read there and must not create it."""
+    uri = tracking_uri(explicit, h)
+    if uri.startswith("sqlite:////") and not Path(uri[len("sqlite:///") :]).exists():
+        return None
+    return uri
+
+
 @lru_cache(maxsize=16)
-def client(tracking_uri: str):
-    """An MlflowClient for this store (tracking and registry in the same place)."""
+def _client(uri: str):
     from mlflow import MlflowClient
 
-    uri = check_tracking_uri(tracking_uri)
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def client(uri: str | None = None):
+    """An MlflowClient for this store (tracking and registry in the same place); `uri` None: the
+    store `tracking_uri()` resolves to. The only place this project builds one."""
+    return _client(tracking_uri() if uri is None else check_tracking_uri(uri))
 
 
 def _artifact_location(tracking_uri: str, experiment: str) -> str | None:

@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Callable, Mapping
 from urllib.parse import unquote, urlparse
 
-from ops.common.tracking import client, ensure_experiment
+from ops.common.tracking import TAG_MODEL_ID, client, ensure_experiment
 
 CHAMPION = "champion"
 PREVIOUS = "previous-champion"
-TAG_MODEL_ID = "perpetua.model_id"
 
 Refit = Callable[[str, str], None]  # (version, local model dir) -> None; raises on failure
 

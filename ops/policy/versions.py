@@ -8,8 +8,7 @@ from pathlib import Path
 
 from ops.learn.config import policy_dir
 from ops.common.paths import Home, home as current_home
-
-REGISTERED_MODEL = "perpetua-policy"  # the MLflow registered model of deployed policies
+from ops.common.tracking import REGISTERED_MODEL  # noqa: F401  (the registered model of deployed policies)
 
 
 def hf_dir(version: int, h: Home | None = None) -> Path:

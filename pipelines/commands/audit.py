@@ -20,19 +20,22 @@ from pipelines.cli import UserError, print_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ops.common.tracking import REGISTERED_MODEL
+
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--version", help="Registry version of the registered model (default: the champion alias).")
     which.add_argument("--alias", help="Registry alias, e.g. champion or previous-champion.")
     which.add_argument("--policy-version", type=int, metavar="N", help="Policy version N (registry tag perpetua.policy_version).")
     which.add_argument("--run", metavar="RUN_ID", help="Audit what this Dagster run produced, without the registry.")
     parser.add_argument("--json", action="store_true", help="Print the lineage as JSON.")
-    parser.add_argument("--registered-model", default=None, help="Registered model name (default: perpetua-policy).")
-    parser.add_argument("--mlflow-tracking-uri", default=None, help="MLflow tracking URI (default: env, else PERPETUA_HOME/mlflow).")
+    parser.add_argument("--registered-model", default=None, help=f"Registered model name (default: {REGISTERED_MODEL}).")
+    parser.add_argument("--mlflow-tracking-uri", default=None, help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else the running local MLflow server, else PERPETUA_HOME/mlflow).")
     parser.add_argument("--check-graph", action="store_true",
                         help="Also report dependencies of the current code location that the run did not record.")
 
 
 def run(args: argparse.Namespace) -> int:
+    from ops.common.tracking import TrackingError
     from pipelines import audit as au
 
     if args.version is not None and not args.version.strip().isdigit():
@@ -48,13 +51,13 @@ def run(args: argparse.Namespace) -> int:
             if args.run:
                 result = au.audit_run(instance, args.run.strip(), parents=parents)
             else:
-                uri = args.mlflow_tracking_uri or au.tracking_uri()
+                uri = au.tracking_uri(args.mlflow_tracking_uri)
                 result = au.audit_model(
                     instance, uri, name=args.registered_model or au.REGISTERED_MODEL,
                     version=args.version.strip() if args.version else None, alias=args.alias,
                     policy_version=args.policy_version, parents=parents,
                 )
-    except au.AuditError as e:
+    except (au.AuditError, TrackingError) as e:
         raise UserError(str(e)) from None
     if args.json:
         print_json(result.to_json())

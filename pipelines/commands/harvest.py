@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="A model version production may have served (repeatable; default: the MLflow registry).",
     )
     parser.add_argument("--mlflow-experiment", action="append", default=[], metavar="NAME", help="Also harvest MLflow traces from NAME.")
-    parser.add_argument("--mlflow-tracking-uri", default=None, help="MLflow tracking URI (default: PERPETUA_HOME/mlflow).")
+    parser.add_argument("--mlflow-tracking-uri", default=None, help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else the running local MLflow server, else PERPETUA_HOME/mlflow).")
 
 
 def dagster_instance():
@@ -80,9 +80,12 @@ def run(args: argparse.Namespace) -> int:
     if args.mlflow_experiment:
         config["mlflow_trace_experiments"] = args.mlflow_experiment
     if args.mlflow_tracking_uri:
-        if args.mlflow_tracking_uri.startswith("sqlite:///") and not args.mlflow_tracking_uri.startswith("sqlite:////"):
-            raise UserError("--mlflow-tracking-uri: use an absolute sqlite URI (sqlite:////abs/path/mlflow.db)")
-        config["mlflow_tracking_uri"] = args.mlflow_tracking_uri
+        from ops.common.tracking import TrackingError, check_tracking_uri
+
+        try:
+            config["mlflow_tracking_uri"] = check_tracking_uri(args.mlflow_tracking_uri)
+        except TrackingError as e:
+            raise UserError(f"--mlflow-tracking-uri: {e}") from None
     try:
         out = run_harvest(config)
     except RuntimeError as e:

@@ -12,7 +12,6 @@ chosen weights when it serves another version, and left running for the next com
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -20,11 +19,13 @@ from pipelines.cli import UserError, print_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ops.common.tracking import REGISTERED_MODEL
+
     parser.add_argument("--requests", type=int, default=None, help="Requests to send (default 64; with --duration: no cap).")
     parser.add_argument("--duration", type=float, default=None, metavar="S", help="Run for S seconds; traffic drifts over them.")
     parser.add_argument("--json", action="store_true", help="Print the result as JSON.")
     parser.add_argument("--model-dir", default=None, help="HF policy dir to serve (default: the registry champion).")
-    parser.add_argument("--model-name", default="perpetua-policy", help="Registered model whose champion is served.")
+    parser.add_argument("--model-name", default=REGISTERED_MODEL, help="Registered model whose champion is served.")
     parser.add_argument("--model-version", default=None, help="model_version written in traces (default: registry version or policy version).")
     parser.add_argument("--port", type=int, default=8000, help="Port of the local vLLM server (127.0.0.1).")
     parser.add_argument("--wave-size", type=int, default=16, help="Concurrent requests per wave.")
@@ -35,15 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def champion(h, model_name: str) -> tuple[Path, str] | None:
     """(local model dir, registry version) of the champion, or None when there is none to find."""
+    from ops.common.tracking import TrackingError, existing_tracking_uri
     from ops.deploy import registry
 
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
-    if uri is None:
-        from ops.serving import mlflow_server
-
-        running = mlflow_server.status(h)
-        db = h.mlflow / "mlflow.db"
-        uri = running.url if running is not None else (f"sqlite:///{db}" if db.exists() else None)
+    try:
+        uri = existing_tracking_uri(h=h)
+    except TrackingError as e:
+        raise UserError(str(e)) from None
     if uri is None:
         return None
     try:
