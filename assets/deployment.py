@@ -1,7 +1,7 @@
 """`deployment`: the candidate that passed the gate becomes the champion: registered in the MLflow
 Model Registry, the production vLLM server refit in place and checked, then the `champion`
 alias moved (the old one kept as `previous-champion`). All or nothing: a failed refit leaves
-the registry and the served model as they were (ops/deploy/registry.py)."""
+the registry and the served model as they were (ops/deploy/deploy.py)."""
 
 import json
 
@@ -11,19 +11,11 @@ from assets.cycle import cycle_of
 from assets.cycle_run import cycle_run_id
 from assets.eval_report import report_path
 from assets.metering import cost_metadata, metered
-from ops.policy import versions as policies
-from ops.deploy import registry
+from ops.deploy.deploy import deploy_policy
 from ops.common import tracking
-from ops.common.paths import home
 from assets.resources import MlflowTracking, PolicyServer
 
 CODE_VERSION = "deployment-1"
-
-
-def write_champion_pointer(registry_version: str, policy_version: int) -> None:
-    path = home().models / "champion.json"
-    path.write_text(json.dumps({"registry_version": registry_version, "policy_version": policy_version,
-                                "hf_dir": str(policies.hf_dir(policy_version))}))
 
 
 @dg.asset(
@@ -43,34 +35,29 @@ def deployment(context: dg.AssetExecutionContext, production_server: PolicyServe
     parent = cycle_run_id(context, uri, mlflow.experiment, cycle)
     eval_event = context.instance.get_latest_materialization_event(dg.AssetKey("eval_report"))
     eval_data_version = eval_event.asset_materialization.tags.get("dagster/data_version") if eval_event else None
-    served = {}
-
-    def refit(version: str, local_dir: str) -> None:
-        served["policy_version"] = production_server.serve(local_dir)
-
     with metered("deploy", cycle, [production_server.server_pid()]) as meter:
         with tracking.stage_run(uri, parent, "deploy", tags=tracking.dagster_tags(context.run_id, "deployment"),
                                 params={"policy_version_out": candidate}) as log:
-            version = registry.register_candidate(
-                uri, policies.hf_dir(candidate), policies.REGISTERED_MODEL, run_id=log.run_id,
-                tags={"perpetua.policy_version": candidate, "perpetua.dagster_run_id": context.run_id,
-                      "perpetua.cycle": cycle, "perpetua.eval_data_version": eval_data_version or ""},
+            deployed = deploy_policy(
+                uri, production_server.serve, policy_version=candidate, run_id=log.run_id,
+                tags={tracking.TAG_DAGSTER_RUN: context.run_id, tracking.TAG_CYCLE: cycle,
+                      tracking.TAG_EVAL_DATA_VERSION: eval_data_version or ""},
             )
-            state = registry.deploy(uri, policies.REGISTERED_MODEL, version, refit)
-            log.log_metrics({"deployed_policy_version": candidate}, step=cycle)
-    write_champion_pointer(version, candidate)
+            log.log_metrics({"deployed_policy_version": deployed.policy_version}, step=cycle)
     tracking.RunLog(uri, parent).log_metrics({"deployed": 1.0}, step=cycle)
+    version = deployed.registry_version
     return dg.MaterializeResult(
         metadata={
             "cycle": cycle,
             "model_version": version,
             "policy_version": candidate,
-            "served_policy_version": served.get("policy_version", candidate),
-            "previous_champion": state.previous or "",
-            "registered_model": policies.REGISTERED_MODEL,
+            "served_policy_version": deployed.policy_version,
+            "previous_champion": deployed.previous or "",
+            "newly_registered": deployed.registered,
+            "registered_model": tracking.REGISTERED_MODEL,
             "mlflow_run_id": parent,
             "mlflow_run": dg.MetadataValue.url(tracking.run_url(uri, parent)),
             **cost_metadata(meter),
         },
-        data_version=dg.DataVersion(f"{policies.REGISTERED_MODEL}-v{version}"),
+        data_version=dg.DataVersion(f"{tracking.REGISTERED_MODEL}-v{version}"),
     )

@@ -67,20 +67,16 @@ def previous_cycles(instance) -> int:
 
 
 def ensure_champion(uri: str, production, log: Callable[[str], None]) -> str:
-    """Deploy the base policy as the first champion when nothing is deployed yet."""
+    """Serve the champion; when nothing is deployed yet, deploy the base policy as the first."""
+    from ops.deploy.deploy import deploy_policy
+
     name = policies.REGISTERED_MODEL
     current = registry.champion_version(uri, name) if _has_model(uri, name) else None
     if current is not None:
-        production.serve(registry.model_dir(uri, name, current))
-        return current
-    version = registry.register_candidate(uri, policies.hf_dir(0), name,
-                                          tags={tracking.TAG_POLICY_VERSION: 0, tracking.TAG_CYCLE: 0})
-    registry.deploy(uri, name, version, lambda v, d: production.serve(d))
-    from assets.deployment import write_champion_pointer
-
-    write_champion_pointer(version, 0)
-    log(f"deployed the base policy as champion (registry v{version})")
-    return version
+        return deploy_policy(uri, production.serve, registry_version=current).registry_version
+    first = deploy_policy(uri, production.serve, policy_version=0, tags={tracking.TAG_CYCLE: 0})
+    log(f"deployed the base policy as champion (registry v{first.registry_version})")
+    return first.registry_version
 
 
 def _has_model(uri: str, name: str) -> bool:

@@ -14,7 +14,7 @@ import pytest
 from assets.deployment import deployment
 from assets.eval_report import deploy_gate, eval_report
 from ops.policy import versions as policies
-from ops.deploy import registry
+from ops.deploy import deploy, registry
 from ops.common import tracking
 from ops.common.paths import home
 from ops.serving import vllm_server
@@ -66,9 +66,9 @@ def test_gate_blocks_a_worse_candidate_and_deploys_a_better_one_then_rolls_back(
     uri = world["mlflow"].uri()
     name = policies.REGISTERED_MODEL
     # The champion: the bootstrapped policy as v0, deployed to production.
+    serve = world["production_server"].serve
     _install(base_policy_dir, 0)
-    v0 = registry.register_candidate(uri, policies.hf_dir(0), name, tags={"perpetua.policy_version": 0})
-    registry.deploy(uri, name, v0, lambda v, d: world["production_server"].serve(d))
+    v0 = deploy.deploy_policy(uri, serve, policy_version=0).registry_version
     # Worse candidate (random weights) as v1: blocked by the gate, never deployed.
     _install(random_policy_dir, 1)
     with dg.instance_for_test() as instance:
@@ -81,9 +81,7 @@ def test_gate_blocks_a_worse_candidate_and_deploys_a_better_one_then_rolls_back(
         assert _served_version(world["production_server"].port) == 0
 
         # Better candidate (the bootstrapped policy again) as v2 over the random v1 champion.
-        registry.deploy(uri, name, registry.register_candidate(uri, policies.hf_dir(1), name,
-                                                               tags={"perpetua.policy_version": 1}),
-                        lambda v, d: world["production_server"].serve(d))
+        deploy.deploy_policy(uri, serve, policy_version=1)
         _install(base_policy_dir, 2)
         better = _run(world, instance, cycle=2)
         assert better.success, better
@@ -95,6 +93,7 @@ def test_gate_blocks_a_worse_candidate_and_deploys_a_better_one_then_rolls_back(
         champion = registry.champion_version(uri, name)
         assert champion == deployed["model_version"].value
         assert _served_version(world["production_server"].port) == 2
+        assert json.loads(deploy.pointer_file().read_text())["policy_version"] == 2
         # Cost and intelligence per dollar come from measured stage costs.
         assert report["cycle_cost_usd"].value > 0
         gain = report["candidate_target"].value - report["champion_target"].value
@@ -102,6 +101,48 @@ def test_gate_blocks_a_worse_candidate_and_deploys_a_better_one_then_rolls_back(
 
     # Rollback: the previous champion (random v1) is champion again and served.
     previous = registry.aliases(uri, name).previous
-    state = registry.rollback(uri, name, refit=lambda v, d: world["production_server"].serve(d))
-    assert state.champion == previous
+    state = deploy.rollback_policy(uri, serve)
+    assert (state.registry_version, state.policy_version) == (previous, 1)
     assert _served_version(world["production_server"].port) == 1
+    assert json.loads(deploy.pointer_file().read_text())["registry_version"] == previous
+
+
+def _export(version: int, declared: int | None = None) -> None:
+    d = policies.hf_dir(version)
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"perpetua_policy_version": version if declared is None else declared}))
+    (d / "model.safetensors").write_bytes(bytes([version]) * 32)
+
+
+def test_deploy_policy_registers_once_checks_what_is_served_and_writes_the_pointer(perpetua_home):
+    """deploy_policy against a real SQLite registry and a stand-in server (no engine)."""
+    uri, name = tracking.local_store(home().mlflow)[0], policies.REGISTERED_MODEL
+    served: list[int] = []
+
+    def serve(model_dir):
+        served.append(json.loads((model_dir / "config.json").read_text())["perpetua_policy_version"])
+        return served[-1]
+
+    def pointer():
+        return json.loads(deploy.pointer_file().read_text())
+
+    for v in (0, 1):
+        _export(v)
+    _export(2, declared=5)  # an export whose weights say another version than its name
+    first = deploy.deploy_policy(uri, serve, policy_version=0, tags={tracking.TAG_CYCLE: 0})
+    assert (first.registry_version, first.policy_version, first.previous, first.registered) == ("1", 0, None, True)
+    assert pointer() == {"registry_version": "1", "policy_version": 0, "hf_dir": str(policies.hf_dir(0))}
+    again = deploy.deploy_policy(uri, serve, policy_version=0)  # registered already: served, not registered again
+    assert (again.registry_version, again.registered, served) == ("1", False, [0, 0])
+    second = deploy.deploy_policy(uri, serve, policy_version=1)
+    assert (second.registry_version, second.previous, registry.champion_version(uri, name)) == ("2", "1", "2")
+    with pytest.raises(registry.DeployError, match="serves policy v5 .* refit back to v2"):
+        deploy.deploy_policy(uri, serve, policy_version=2)
+    assert served[-2:] == [5, 1]  # the wrong policy was taken off again
+    assert registry.champion_version(uri, name) == "2" and pointer()["policy_version"] == 1
+    back = deploy.rollback_policy(uri, serve)
+    assert (back.registry_version, back.policy_version, back.previous) == ("1", 0, "2")
+    assert pointer()["registry_version"] == "1"
+    assert deploy.rollback_policy(uri, serve).registry_version == "2"
+    with pytest.raises(ValueError):
+        deploy.deploy_policy(uri, serve)

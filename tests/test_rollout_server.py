@@ -153,6 +153,64 @@ def test_stop_ends_the_server_process_group(server, home, monkeypatch, capsys):
     assert not vllm_server.pid_file(home, server.port).exists()
 
 
+def test_supervisor_lifecycle_on_a_small_http_server(tmp_path):
+    """The lifecycle both servers share, on `python -m http.server` (seconds, no engine): start,
+    reuse, a port held by a stranger, a failed start, a pid file left by a dead server, stop."""
+    import json
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    from ops.serving import supervisor
+
+    class Err(RuntimeError):
+        pass
+
+    def svc(port):
+        return supervisor.Service("test server", tmp_path / f"s-{port}.json", tmp_path / "logs" / f"s-{port}.log",
+                                  (b"http.server",), vllm_server.VllmServer, Err,
+                                  lambda url, t: supervisor.http_ok(url + "/", t))
+
+    def launch_on(port, *extra):
+        return lambda: supervisor.Launch([sys.executable, "-m", "http.server", *extra, "--bind", "127.0.0.1", str(port)], tmp_path)
+
+    def ready_on(port):
+        return lambda pid, url, s: vllm_server.VllmServer(url, pid, "127.0.0.1", port, "-", str(tmp_path), 0.0, s)
+
+    port = _free_port()
+    s = svc(port)
+    with pytest.raises(Err, match="bind 127.0.0.1"):
+        supervisor.start(s, "0.0.0.0", port, launch_on(port), ready_on(port), timeout_s=30)
+    first = supervisor.start(s, "127.0.0.1", port, launch_on(port), ready_on(port), timeout_s=30)
+    try:
+        assert not first.reused and supervisor.status(s).pid == first.pid
+        again = supervisor.start(s, "127.0.0.1", port, launch_on(port), ready_on(port), timeout_s=30)
+        assert again.reused and again.pid == first.pid
+        other = svc(_free_port())  # a different record whose port a stranger (our server) holds
+        with pytest.raises(Err, match="already in use"):
+            supervisor.start(other, "127.0.0.1", port, launch_on(port), ready_on(port), timeout_s=30)
+        bad = _free_port()
+        with pytest.raises(Err, match="exited with code 2"):
+            supervisor.start(svc(bad), "127.0.0.1", bad, launch_on(bad, "--no-such-flag"), ready_on(bad), timeout_s=30)
+        assert "no-such-flag" in supervisor.tail(svc(bad).log_file)
+
+        def broken(pid, url, s):
+            raise Err("set-up failed")
+
+        unready = _free_port()
+        with pytest.raises(Err, match="set-up failed"):  # a server whose set-up fails is not left running
+            supervisor.start(svc(unready), "127.0.0.1", unready, launch_on(unready), broken, timeout_s=30)
+        assert not supervisor.port_open("127.0.0.1", unready) and not svc(unready).pid_file.exists()
+    finally:
+        assert supervisor.stop(s, grace_s=5)
+    assert not supervisor.port_open("127.0.0.1", port) and supervisor.status(s) is None
+    assert not supervisor.stop(s, grace_s=5)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    s.pid_file.write_text(json.dumps({**asdict(first), "pid": dead.pid}))
+    assert supervisor.status(s) is None and not s.pid_file.exists()  # stale: removed
+
+
 def test_round_robin_spreads_and_fails_over():
     from ops.rollout.server import RoundRobin
 

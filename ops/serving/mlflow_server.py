@@ -11,25 +11,20 @@ readable and writable with the server stopped (a run the Dagster daemon launches
 `perpetua demo` has shut its server down writes the SQLite store directly), and everything
 stays under PERPETUA_HOME. `--artifacts-destination` still serves proxied artifact requests.
 
-`start` is idempotent: a server already running for this PERPETUA_HOME (pid file + /health)
-is reused. The server runs in its own session (process group), so it outlives the command that
-started it, and `stop` ends exactly that group.
+`start` reuses a server already running for this PERPETUA_HOME; the process lifecycle (pid
+file, own session, log, health wait, stop) is ops/serving/supervisor.py's.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-import time
-import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from ops.common.paths import Home, home
-from ops.serving import supervisor as processes
 from ops.common.tracking import local_store
+from ops.serving import supervisor
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 5000
@@ -59,36 +54,23 @@ def pid_file(h: Home) -> Path:
     return h.mlflow / "server.json"
 
 
+def log_file(h: Home) -> Path:
+    return h.mlflow / "server.log"
+
+
 def health(url: str, timeout_s: float = 2.0) -> bool:
     """True if an MLflow server answers OK on `url`/health."""
-    try:
-        with urllib.request.urlopen(f"{url.rstrip('/')}/health", timeout=timeout_s) as r:
-            return r.status == 200 and r.read().strip() == b"OK"
-    except OSError:
-        return False
+    return supervisor.http_ok(f"{url.rstrip('/')}/health", timeout_s, body=b"OK")
 
 
-def _is_mlflow_server(pid: int) -> bool:
-    cmdline = processes.cmdline(pid)
-    return b"mlflow" in cmdline and b"server" in cmdline
+def service(h: Home) -> supervisor.Service[MlflowServer]:
+    return supervisor.Service("mlflow server", pid_file(h), log_file(h), (b"mlflow", b"server"),
+                              MlflowServer, MlflowServerError, health)
 
 
 def status(h: Home | None = None) -> MlflowServer | None:
     """The server running for this home, or None (a stale pid file is removed)."""
-    h = h or home()
-    path = pid_file(h)
-    if not path.exists():
-        return None
-    try:
-        info = MlflowServer(**{**json.loads(path.read_text()), "reused": True})
-    except (ValueError, TypeError):
-        path.unlink(missing_ok=True)
-        return None
-    if processes.alive(info.pid) and _is_mlflow_server(info.pid) and health(info.url):
-        return info
-    if not processes.alive(info.pid):
-        path.unlink(missing_ok=True)
-    return None
+    return supervisor.status(service(h or home()))
 
 
 def start(
@@ -106,63 +88,26 @@ def start(
     loop does not use.
     """
     h = h or home()
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        raise MlflowServerError(f"refusing to bind MLflow to {host}: local services bind to 127.0.0.1 only")
-    running = status(h)
-    if running is not None:
-        return running
-    h.mlflow.mkdir(parents=True, exist_ok=True)
-    if processes.port_open(host, port):
-        raise MlflowServerError(
-            f"port {port} on {host} is already in use by another process; choose another port "
-            f"(an MLflow server started for a different PERPETUA_HOME?)"
-        )
     backend, artifacts = local_store(h.mlflow)
-    artifacts.mkdir(parents=True, exist_ok=True)
-    log_path = h.mlflow / "server.log"
-    cmd = [
-        sys.executable, "-m", "mlflow", "server",
-        "--backend-store-uri", backend,
-        "--default-artifact-root", artifacts.as_uri(),
-        "--artifacts-destination", str(artifacts),
-        "--host", host, "--port", str(port), "--workers", str(workers),
-    ]  # fmt: skip
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "true" if jobs else "false"}
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=h.mlflow,
-            env=env,
-            start_new_session=True,
-        )
-    url = f"http://{host}:{port}"
-    info = MlflowServer(url, proc.pid, host, port, backend, str(artifacts), str(log_path))
-    deadline = time.monotonic() + timeout_s
-    while not health(url, timeout_s=1.0):
-        if proc.poll() is not None:
-            raise MlflowServerError(f"mlflow server exited with code {proc.returncode}; log: {processes.tail(log_path)}")
-        if time.monotonic() > deadline:
-            processes.kill_group(proc.pid, grace_s=5.0)
-            proc.wait(timeout=5)
-            raise MlflowServerError(f"mlflow server not healthy after {timeout_s:.0f} s; log: {processes.tail(log_path)}")
-        time.sleep(0.25)
-    pid_file(h).write_text(json.dumps({k: v for k, v in asdict(info).items() if k != "reused"}))
-    return info
+
+    def launch() -> supervisor.Launch:
+        artifacts.mkdir(parents=True, exist_ok=True)
+        argv = [
+            sys.executable, "-m", "mlflow", "server",
+            "--backend-store-uri", backend,
+            "--default-artifact-root", artifacts.as_uri(),
+            "--artifacts-destination", str(artifacts),
+            "--host", host, "--port", str(port), "--workers", str(workers),
+        ]  # fmt: skip
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "true" if jobs else "false"}
+        return supervisor.Launch(argv, h.mlflow, env)
+
+    def ready(pid: int, url: str, seconds: float) -> MlflowServer:
+        return MlflowServer(url, pid, host, port, backend, str(artifacts), str(log_file(h)))
+
+    return supervisor.start(service(h), host, port, launch, ready, timeout_s, poll_s=0.25)
 
 
 def stop(h: Home | None = None, grace_s: float = 10.0) -> bool:
     """Stop the server of this home; True if one was running."""
-    h = h or home()
-    path = pid_file(h)
-    if not path.exists():
-        return False
-    info = json.loads(path.read_text())
-    pid = int(info["pid"])
-    was_running = processes.alive(pid) and _is_mlflow_server(pid)
-    if was_running:
-        processes.kill_group(pid, grace_s)
-    path.unlink(missing_ok=True)
-    return was_running
+    return supervisor.stop(service(h or home()), grace_s)

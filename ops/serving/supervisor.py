@@ -1,13 +1,198 @@
-"""Supervising the local service processes (the MLflow server, the vLLM servers): one set of
-helpers for liveness, identity, ports, logs and stopping a whole process group."""
+"""Supervising the local servers of a PERPETUA_HOME (the vLLM servers, the MLflow server).
+
+Both are long-lived processes that outlive the command or Dagster run that started them, so the
+lifecycle is the same for each and lives here once: a pid file records a healthy server (so
+the next caller reuses it), a new one starts in its own session (process group) with its output
+appended to a log, `start` returns once its health URL answers, and `stop` ends exactly its
+process group. A `Service` says where one server's pid file and log are, how to recognise its
+process and how to ask it if it is healthy; the server modules add only what is their own:
+argv, environment, health URL and the record they return.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
+import subprocess
 import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable, Generic, Protocol, TypeVar
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+BUSY_WAIT_S = 30.0  # how long `start` waits on a recorded server of ours that does not answer yet
+
+
+class Record(Protocol):
+    """What a server's record (a frozen dataclass, also the pid file's content) has at least."""
+
+    url: str
+    pid: int
+    reused: bool
+
+
+R = TypeVar("R", bound=Record)
+
+
+@dataclass(frozen=True)
+class Service(Generic[R]):
+    """One supervised server of this home. `record` is the dataclass `status`/`start` return,
+    built from the pid file's JSON plus `reused=True`; `marker` are the argv words that identify
+    the server's process (a pid file can outlive its process, and the pid be reused)."""
+
+    name: str  # in messages: "vLLM server", "mlflow server"
+    pid_file: Path
+    log_file: Path
+    marker: tuple[bytes, ...]  # argv elements the server's process has, all of them
+    record: Callable[..., R]
+    error: type[Exception]
+    health: Callable[[str, float], bool]  # (url, timeout_s) -> healthy
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How to start one server process. `failure` turns its exit code during start-up into the
+    error message (default: the code and the log's tail)."""
+
+    argv: list[str]
+    cwd: Path
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    failure: Callable[[int], str] | None = None
+
+
+# ---- the lifecycle ------------------------------------------------------------------------
+
+
+def require_local(svc: Service, host: str) -> None:
+    """Local servers bind loopback only: the vLLM admin endpoints and MLflow have no auth."""
+    if host not in LOCAL_HOSTS:
+        raise svc.error(f"refusing to bind the {svc.name} to {host}: its endpoints are unauthenticated; bind 127.0.0.1")
+
+
+def status(svc: Service[R]) -> R | None:
+    """The healthy server recorded in the pid file, or None. A pid file whose process is gone
+    (or is now some other program) is removed; one whose server runs but does not answer is kept."""
+    try:
+        info = svc.record(**{**json.loads(svc.pid_file.read_text()), "reused": True})
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError, OSError):
+        svc.pid_file.unlink(missing_ok=True)
+        return None
+    if not owns(svc, info.pid):
+        svc.pid_file.unlink(missing_ok=True)
+        return None
+    return info if svc.health(info.url, 2.0) else None
+
+
+def start(
+    svc: Service[R],
+    host: str,
+    port: int,
+    launch: Callable[[], Launch],
+    ready: Callable[[int, str, float], R],
+    timeout_s: float,
+    poll_s: float = 0.5,
+) -> R:
+    """Reuse the healthy server of `svc`, else start one and return once it is healthy.
+
+    `launch` is called only when a server must start (it checks the inputs and builds argv);
+    `ready(pid, url, start_seconds)` finishes a healthy server's set-up and returns its record,
+    which the pid file then holds. A server that fails to come up, or whose `ready` raises, is
+    ended rather than left running unrecorded, and so is one interrupted (Ctrl-C) mid-start.
+    """
+    require_local(svc, host)
+    running = status(svc)
+    if running is not None:
+        return running
+    pid = recorded_pid(svc)
+    if pid is not None and owns(svc, pid):  # ours but slow to answer (a busy machine), or hung
+        deadline = time.monotonic() + min(timeout_s, BUSY_WAIT_S)
+        while time.monotonic() < deadline:
+            if (running := status(svc)) is not None:
+                return running
+            time.sleep(poll_s)
+        raise svc.error(f"the {svc.name} of this home (pid {pid}) runs but does not answer its health check; "
+                        f"stop it (`perpetua stop`) and start again; log {svc.log_file}: {tail(svc.log_file)}")
+    how = launch()
+    if port_open(host, port):
+        raise svc.error(
+            f"port {port} on {host} is already in use by another process; choose another port "
+            f"(a {svc.name} started for a different PERPETUA_HOME?)"
+        )
+    for d in (svc.pid_file.parent, svc.log_file.parent, how.cwd):
+        d.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    with open(svc.log_file, "ab") as log:
+        log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(how.argv)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            how.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=how.cwd,
+            env=how.env, start_new_session=True,
+        )  # fmt: skip
+    url = f"http://{host}:{port}"
+    try:
+        deadline = began + timeout_s
+        while not svc.health(url, 1.0):
+            if proc.poll() is not None:
+                raise svc.error(how.failure(proc.returncode) if how.failure else
+                                f"{svc.name} exited with code {proc.returncode} during start-up; log {svc.log_file}: {tail(svc.log_file)}")
+            if time.monotonic() > deadline:
+                raise svc.error(f"{svc.name} not healthy after {timeout_s:.0f} s; log {svc.log_file}: {tail(svc.log_file)}")
+            time.sleep(poll_s)
+        info = ready(proc.pid, url, time.monotonic() - began)
+        svc.pid_file.write_text(json.dumps({k: v for k, v in asdict(info).items() if k != "reused"}))
+    except BaseException:
+        kill_group(proc.pid, grace_s=5.0)  # also workers a leader that exited left behind
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        raise
+    return info
+
+
+def stop(svc: Service, grace_s: float) -> bool:
+    """End the recorded server's process group and remove its pid file; True if one was running."""
+    if not svc.pid_file.exists():
+        return False
+    pid = recorded_pid(svc)
+    running = pid is not None and owns(svc, pid)
+    if running:
+        kill_group(pid, grace_s)
+    svc.pid_file.unlink(missing_ok=True)
+    return running
+
+
+def recorded_pid(svc: Service) -> int | None:
+    """The pid in the pid file, if there is a readable one."""
+    try:
+        return int(json.loads(svc.pid_file.read_text())["pid"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def owns(svc: Service, pid: int) -> bool:
+    """True if `pid` runs and is the service's program (not a process that inherited the pid)."""
+    if not alive(pid):
+        return False
+    argv = cmdline(pid)
+    return all(word in argv for word in svc.marker)
+
+
+def http_ok(url: str, timeout_s: float, body: bytes | None = None) -> bool:
+    """True if GET `url` answers 200 (with exactly `body`, when given)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status == 200 and (body is None or r.read().strip() == body)
+    except OSError:
+        return False
+
+
+# ---- processes ----------------------------------------------------------------------------
 
 
 def alive(pid: int) -> bool:

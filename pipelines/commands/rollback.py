@@ -1,7 +1,7 @@
 """`perpetua rollback [--json]`: the previous champion becomes champion again and is served.
 
 The production server is refit first and the aliases swap only after it serves the old
-champion, so a failed rollback leaves everything as it was (ops/deploy/registry.py)."""
+champion, so a failed rollback leaves everything as it was (ops/deploy/deploy.py)."""
 
 from __future__ import annotations
 
@@ -14,29 +14,20 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from ops.policy import versions as policies
-    from ops.deploy import registry
+    from ops.deploy.deploy import rollback_policy
+    from ops.deploy.registry import DeployError, RegistryError
     from assets.resources import for_environment
 
     resources = for_environment()
-    uri, production = resources["mlflow"].uri(), resources["production_server"]
-    served = {}
-
-    def refit(version: str, local_dir: str) -> None:
-        served["policy_version"] = production.serve(local_dir)
-
     try:
-        state = registry.rollback(uri, policies.REGISTERED_MODEL, refit=refit)
-    except registry.RegistryError as e:
+        deployed = rollback_policy(resources["mlflow"].uri(), resources["production_server"].serve)
+    except (RegistryError, DeployError) as e:
         raise UserError(str(e)) from None
-    from assets.deployment import write_champion_pointer
-
-    write_champion_pointer(state.champion, served["policy_version"])
-    result = {"champion": state.champion, "previous_champion": state.previous,
-              "served_policy_version": served["policy_version"]}
+    result = {"champion": deployed.registry_version, "previous_champion": deployed.previous,
+              "served_policy_version": deployed.policy_version}
     if args.json:
         print_json(result)
     else:
-        print(f"champion is now registry v{state.champion} (policy v{served['policy_version']}), "
-              f"previous-champion v{state.previous}")
+        print(f"champion is now registry v{deployed.registry_version} (policy v{deployed.policy_version}), "
+              f"previous-champion v{deployed.previous}")
     return 0
