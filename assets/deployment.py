@@ -3,15 +3,14 @@ Model Registry, the production vLLM server refit in place and checked, then the 
 alias moved (the old one kept as `previous-champion`). All or nothing: a failed refit leaves
 the registry and the served model as they were (ops/deploy/deploy.py)."""
 
-import json
-
 import dagster as dg
 
 from assets.cycle import cycle_of
 from assets.cycle_run import cycle_run_id
-from assets.eval_report import report_path
 from assets.metering import cost_metadata, metered
+from ops.common.paths import home
 from ops.deploy.deploy import deploy_policy
+from ops.evaluate import report as reports
 from ops.common import tracking
 from assets.resources import MlflowTracking, PolicyServer
 
@@ -28,7 +27,11 @@ def deployment(context: dg.AssetExecutionContext, production_server: PolicyServe
     """Register, refit production, verify the served version, move the alias."""
     cycle = cycle_of(context)
     uri = mlflow.uri()
-    report = json.loads(report_path(cycle).read_text())
+    run_ids = {context.run_id, context.run.parent_run_id, context.run.root_run_id} - {None}
+    try:  # only what this run (or the run it re-executes) evaluated for this cycle
+        report = reports.read_cycle_report(home().data, cycle, run_ids)
+    except reports.ReportError as e:
+        raise dg.Failure(str(e)) from None
     if not report["gate"]["passed"]:
         raise dg.Failure(f"cycle {cycle}: the deploy gate did not pass; refusing to deploy")
     candidate = int(report["candidate_version"])

@@ -19,7 +19,7 @@ from ops.common import tracking
 from ops.common.paths import home
 from ops.common.tables import REWARDS, ROLLOUTS, read_table, table_hash
 from ops.cost import cycle_costs
-from ops.cost.accounting import Campaign, CycleRecord
+from ops.cost.accounting import CycleRecord
 from ops.cost.plot import save_ipd_plot
 from ops.deploy import registry
 from ops.evaluate import report as reports
@@ -65,7 +65,7 @@ def champion_policy_version(uri: str) -> tuple[str | None, int]:
     if version is None:
         return None, 0
     tags = tracking.client(uri).get_model_version(policies.REGISTERED_MODEL, version).tags
-    return version, int(tags.get("perpetua.policy_version", 0))
+    return version, int(tags.get(tracking.TAG_POLICY_VERSION, 0))
 
 
 def harvested() -> tuple[Counter, list[Task]]:
@@ -185,7 +185,7 @@ def _log_eval(context, uri: str, parent: str, cycle: int, report: dict, cand: Po
         model_id = log.log_checkpoint(
             f"policy-v{cand.policy_version}", step=cycle, params={"policy_version": cand.policy_version, "cycle": cycle},
             metrics={f"{s}.pass_at_1": v.pass_at_1 for s, v in cand.scores.items()},
-            tags={"perpetua.hf_dir": str(policies.hf_dir(cand.policy_version))})
+            tags={tracking.TAG_HF_DIR: str(policies.hf_dir(cand.policy_version))})
         return log.run_id, model_id
 
 
@@ -193,7 +193,7 @@ def _log_campaign(uri: str, experiment: str, parent: str, record: CycleRecord, c
     """The cycle's record in the campaign (replacing an earlier eval of the same cycle) and the
     intelligence-per-dollar plot."""
     campaign = tracking.load_campaign(uri, experiment)
-    campaign = Campaign([r for r in campaign.records if r.cycle != record.cycle] + [record])
+    campaign = campaign.with_record(record)
     tracking.log_cycle_metrics(uri, parent, record, campaign, cost)
     plot = save_ipd_plot(campaign, report_file.with_name("intelligence_per_dollar.png"))
     tracking.RunLog(uri, parent).log_artifact(plot, "plots")
@@ -227,7 +227,8 @@ def deploy_gate(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
         return dg.AssetCheckResult(passed=True, metadata={"reason": "scheduled champion eval: no candidate to gate"})
     cycle = cycle_of(context)
     try:
-        report = reports.read_cycle_report(home().data, cycle, {context.run_id})
+        run_ids = {context.run.run_id, context.run.parent_run_id, context.run.root_run_id} - {None}
+        report = reports.read_cycle_report(home().data, cycle, run_ids)
     except reports.ReportError as e:
         return dg.AssetCheckResult(passed=False, severity=dg.AssetCheckSeverity.ERROR, metadata={"reason": str(e)})
     gate = report["gate"]

@@ -18,7 +18,6 @@ from ops.tasks.training_tasks import TRAINING_TASKS_CODE_VERSION, TrainingTaskCo
 
 
 class TrainingTasksConfig(dg.Config):
-    heldout_fraction: float = Field(default=0.2, description="Share of task ids held out (by hash).")
     replay_ratio: float = Field(default=1.0, description="Replay tasks per new failure task.")
     min_replay: int = Field(default=16, description="At least this many replay tasks.")
     bootstrap_share: float = Field(default=0.5, description="Share of replay from bootstrap families.")
@@ -32,9 +31,9 @@ class TrainingTasksConfig(dg.Config):
     code_version=TRAINING_TASKS_CODE_VERSION,
 )
 def training_tasks(context: dg.AssetExecutionContext, config: TrainingTasksConfig) -> dg.MaterializeResult:
-    """RL tasks with verifier specs; the held-out split is never trained on."""
+    """RL tasks with verifier specs; the held-out split (ops/tasks/split.py, one rule for every
+    stage, fraction from PERPETUA_HELDOUT_FRACTION) is never trained on."""
     settings = TrainingTaskConfig(
-        heldout_fraction=config.heldout_fraction,
         replay_ratio=config.replay_ratio,
         min_replay=config.min_replay,
         bootstrap_share=config.bootstrap_share,

@@ -100,11 +100,14 @@ def cycle_row(cycle: int, result, traffic: dict, parent: str, wall: float) -> di
         "failures_harvested": harvested.get("harvested", 0),
         "rollouts": rollouts.get("rollouts", 0),
         "mean_reward": rewards.get("mean_reward"),
-        "champion_score": report.get("champion_target"),
-        "candidate_score": report.get("candidate_target"),
-        "champion_ci": report.get("champion_target_ci"),
-        "candidate_ci": report.get("candidate_target_ci"),
+        "champion_score": report.get("champion_score"),
+        "candidate_score": report.get("candidate_score"),
+        "champion_ci": report.get("champion_ci"),
+        "candidate_ci": report.get("candidate_ci"),
         "gain_ci": report.get("gain_ci"),
+        "gate_test": report.get("gate_test"),
+        "deciding_set_size": report.get("deciding_set_size"),
+        "known_failures_fixed": report.get("known_failures_fixed"),
         "deployed": bool(deployed),
         "cost_usd": report.get("cycle_cost_usd"),
         "intelligence_per_dollar": report.get("intelligence_per_dollar"),
@@ -126,7 +129,8 @@ def print_row(row: dict) -> None:
     print(f"cycle {row['cycle']}: harvested {row['failures_harvested']} failures, {row['rollouts']} rollouts, "
           f"mean reward {f(row['mean_reward'])}")
     print(f"  champion {f(row['champion_score'])} {ci(row['champion_ci'])}  candidate {f(row['candidate_score'])} "
-          f"{ci(row['candidate_ci'])}  gain CI {ci(row['gain_ci'])}")
+          f"{ci(row['candidate_ci'])}  gain CI {ci(row['gain_ci'])} ({row['gate_test']}, {row['deciding_set_size']} tasks)"
+          f"  known failures fixed {'-' if not row['known_failures_fixed'] else '/'.join(map(str, row['known_failures_fixed']))}")
     print(f"  deployed: {'yes' if row['deployed'] else 'no'}  cost ${f(row['cost_usd'], '.5f')}  "
           f"intelligence/$ {f(row['intelligence_per_dollar'], '.2f')}  policy v{row['policy_version']}  "
           f"({row['wall_seconds']} s, dagster run {row['dagster_run_id'][:8]})", flush=True)

@@ -111,7 +111,10 @@ def test_campaign_cumulative_by_hand():
         c.add(r)
     assert c.total_dollars == pytest.approx(0.10)
     assert c.champion_score == pytest.approx(0.61)
-    assert c.cumulative_ipd() == pytest.approx((0.61 - 0.40) / 0.10)  # 2.1
+    assert c.cumulative_ipd() == pytest.approx((0.12 + 0.09) / 0.10)  # deployed gains / spend = 2.1
+    replaced = c.with_record(CycleRecord(2, 0.52, 0.55, 0.04, False))  # cycle 2 re-evaluated
+    assert [r.cycle for r in replaced.records] == [1, 2, 3] and replaced.records[1].candidate_score == 0.55
+    assert replaced.total_dollars == pytest.approx(0.11) and len(c.records) == 3
     assert [r.ipd for r in c.records] == pytest.approx([6.0, -0.02 / 0.03, 1.8])
     assert c.comparable
     again = Campaign.from_records(c.to_dict()["records"])

@@ -20,7 +20,7 @@ from ops.common.paths import home
 from ops.serving import vllm_server
 from assets.resources import MlflowTracking, PolicyServer
 
-EVAL = {"target_per_family": 8, "guard_per_family": 8, "production_tasks": 8}
+EVAL = {"drift_per_family": 8, "guard_per_family": 8, "production_tasks": 8}
 
 
 def _port() -> int:
@@ -75,7 +75,7 @@ def test_gate_blocks_a_worse_candidate_and_deploys_a_better_one_then_rolls_back(
         worse = _run(world, instance, cycle=1)
         checks = worse.get_asset_check_evaluations()
         assert checks and not checks[0].passed
-        assert "Target set" in str(checks[0].metadata["reasons"].value)
+        assert "Deciding set" in str(checks[0].metadata["reasons"].value)
         assert not worse.asset_materializations_for_node("deployment")
         assert registry.champion_version(uri, name) == v0
         assert _served_version(world["production_server"].port) == 0
@@ -86,7 +86,7 @@ def test_gate_blocks_a_worse_candidate_and_deploys_a_better_one_then_rolls_back(
         better = _run(world, instance, cycle=2)
         assert better.success, better
         report = better.asset_materializations_for_node("eval_report")[0].metadata
-        assert report["candidate_target"].value > report["champion_target"].value
+        assert report["candidate_score"].value > report["champion_score"].value
         deployed = better.asset_materializations_for_node("deployment")[0].metadata
         assert deployed["policy_version"].value == 2
         assert deployed["served_policy_version"].value == 2
@@ -96,8 +96,30 @@ def test_gate_blocks_a_worse_candidate_and_deploys_a_better_one_then_rolls_back(
         assert json.loads(deploy.pointer_file().read_text())["policy_version"] == 2
         # Cost and intelligence per dollar come from measured stage costs.
         assert report["cycle_cost_usd"].value > 0
-        gain = report["candidate_target"].value - report["champion_target"].value
+        gain = report["candidate_score"].value - report["champion_score"].value
         assert report["intelligence_per_dollar"].value == pytest.approx(gain / report["cycle_cost_usd"].value)
+        assert report["gate_test"].value == "exact-mcnemar" and report["deciding_set_size"].value > 0
+
+        # A deployment run of its own never trusts another run's eval report (no phantom deploys).
+        alone = dg.materialize([deployment], resources=world, instance=instance, tags={"perpetua/cycle": "2"},
+                               raise_on_error=False)
+        assert not alone.success
+        failure = next(e for e in alone.all_events if e.is_step_failure)
+        assert "not by this run" in str(failure.step_failure_data.error.message)
+        assert registry.champion_version(uri, name) == champion
+
+        # The nightly eval scores the champion alone: a champion report, no cycle report, no campaign record.
+        cycle_reports = sorted((home().data / "eval_report").glob("cycle=*.json"))
+        defs = dg.Definitions(assets=[eval_report], asset_checks=[deploy_gate], resources=world,
+                              jobs=[dg.define_asset_job("nightly_eval", selection=[eval_report])])
+        nightly = defs.resolve_job_def("nightly_eval").execute_in_process(
+            instance=instance, run_config={"ops": {"eval_report": {"config": EVAL}}})
+        assert nightly.success
+        meta = nightly.asset_materializations_for_node("eval_report")[0].metadata
+        assert meta["kind"].value == "champion" and meta["champion_version"].value == 2
+        written = json.loads(open(meta["report"].value).read())
+        assert written["kind"] == "champion" and "gate" not in written and "cycle" not in written
+        assert sorted((home().data / "eval_report").glob("cycle=*.json")) == cycle_reports
 
     # Rollback: the previous champion (random v1) is champion again and served.
     previous = registry.aliases(uri, name).previous

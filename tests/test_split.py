@@ -3,14 +3,13 @@ build (the SFT corpus, the RL training tasks with both kinds of replay, the roll
 
 from __future__ import annotations
 
-import random
-
 from ops.evaluate.sets import EvalConfig, eval_sets
 from ops.harvest.contract import write_traces
 from ops.harvest.failures import read_failures
 from ops.harvest.harvester import HarvestConfig, harvest
 from ops.common.paths import home
 from ops.policy.sft import SFTConfig, sft_corpus
+from ops.tasks.sampling import sample_train_tasks
 from ops.tasks.split import is_held_out
 from ops.tasks.task_world import FAMILIES, generate_tasks
 from ops.tasks.training_tasks import TrainingTaskConfig, build_and_write_training_tasks
@@ -32,7 +31,7 @@ def test_no_eval_task_is_in_any_training_set(perpetua_home):
     second, _ = build_and_write_training_tasks(read_failures(), TrainingTaskConfig(min_replay=200))
     rl = {r["task_id"]: r["source"] for s in (first, second) for r in s.table.to_pylist() if r["split"] == "train"}
     assert {"failure", "replay_previous", "replay_bootstrap"} <= set(rl.values())
-    rollout_sample = random.Random(0).sample(sorted(rl), 96)  # rollouts draw from the train split only
+    rollout_sample = {t.task_id for cycle in (1, 2, 3) for t in sample_train_tasks(96, cycle)}  # what rollouts draw
     training = {
         "sft_corpus": {t.task_id for t in sft_corpus(SFTConfig(tasks_per_family=3000))},
         "rl_tasks": set(rl),

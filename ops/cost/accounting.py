@@ -92,11 +92,13 @@ class CycleRecord:
 
 @dataclass
 class Campaign:
-    """Cycles so far. Cumulative ipd = (latest deployed champion score - first champion score)
-    / total spend, where a deployed cycle's candidate score becomes the champion score.
+    """Cycles so far. Cumulative ipd = sum of the deployed cycles' gains / total spend: each gain
+    is paired, measured on that cycle's own deciding set, so the sum stays meaningful when the
+    deciding set changes between cycles (it follows the families of production failures), where a
+    difference of champion scores taken on different sets would not.
 
-    Scores from different eval set versions are not comparable; `comparable` says whether all
-    recorded cycles used the same target set.
+    `comparable` says whether all recorded cycles used the same deciding set (then the champion
+    scores themselves can be compared across cycles too).
     """
 
     records: list[CycleRecord] = field(default_factory=list)
@@ -125,7 +127,12 @@ class Campaign:
 
     def cumulative_ipd(self) -> float:
         _check_spend(self.total_dollars, "campaign")
-        return (self.champion_score - self.first_champion_score) / self.total_dollars
+        return sum(r.gain for r in self.records if r.deployed) / self.total_dollars
+
+    def with_record(self, record: CycleRecord) -> "Campaign":
+        """This campaign with `record` in its cycle's place (a re-evaluated cycle replaces its
+        earlier record), in cycle order, spend checked."""
+        return Campaign.from_records([r for r in self.records if r.cycle != record.cycle] + [record])
 
     @property
     def comparable(self) -> bool:

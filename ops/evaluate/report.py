@@ -37,8 +37,11 @@ def known_failures_fixed(ev: PolicyEval) -> list[int]:
 
 
 def scores_json(ev: PolicyEval, sets: EvalSets) -> dict:
-    """Every set's scores, plus the deciding set's slices (drift, failure families, production)."""
+    """Every set's scores, plus the deciding set's slices (drift, failure families, production),
+    plus per-task passes (`outcomes`: set -> task id -> passing samples) so any comparison can be
+    recomputed from the report."""
     out = {name: s.model_dump() for name, s in ev.scores.items()}
+    out["outcomes"] = {name: {s.task_id: s.successes for s in samples} for name, samples in ev.samples.items()}
     for name, ids in sets.slices.items():
         s = ev.slice_scores(name, ids)
         if s is not None:
