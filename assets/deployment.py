@@ -27,7 +27,7 @@ def deployment(context: dg.AssetExecutionContext, production_server: PolicyServe
     """Register, refit production, verify the served version, move the alias."""
     cycle = cycle_of(context)
     uri = mlflow.uri()
-    run_ids = {context.run_id, context.run.parent_run_id, context.run.root_run_id} - {None}
+    run_ids = {context.run.run_id, context.run.parent_run_id, context.run.root_run_id} - {None}
     try:  # only what this run (or the run it re-executes) evaluated for this cycle
         report = reports.read_cycle_report(home().data, cycle, run_ids)
     except reports.ReportError as e:
@@ -39,11 +39,11 @@ def deployment(context: dg.AssetExecutionContext, production_server: PolicyServe
     eval_event = context.instance.get_latest_materialization_event(dg.AssetKey("eval_report"))
     eval_data_version = eval_event.asset_materialization.tags.get("dagster/data_version") if eval_event else None
     with metered("deploy", cycle, [production_server.server_pid()]) as meter:
-        with tracking.stage_run(uri, parent, "deploy", tags=tracking.dagster_tags(context.run_id, "deployment"),
+        with tracking.stage_run(uri, parent, "deploy", tags=tracking.dagster_tags(context.run.run_id, "deployment"),
                                 params={"policy_version_out": candidate}) as log:
             deployed = deploy_policy(
                 uri, production_server.serve, policy_version=candidate, run_id=log.run_id,
-                tags={tracking.TAG_DAGSTER_RUN: context.run_id, tracking.TAG_CYCLE: cycle,
+                tags={tracking.TAG_DAGSTER_RUN: context.run.run_id, tracking.TAG_CYCLE: cycle,
                       tracking.TAG_EVAL_DATA_VERSION: eval_data_version or ""},
             )
             log.log_metrics({"deployed_policy_version": deployed.policy_version}, step=cycle)

@@ -107,7 +107,7 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
                          champion_ci=(d_k.ci_lo, d_k.ci_hi), candidate_ci=(d_c.ci_lo, d_c.ci_hi),
                          eval_set_hash=d_c.eval_set_hash)
     report = reports.cycle_report(
-        cycle=cycle, dagster_run_id=context.run_id, candidate=cand, champion=champ, reference=ref,
+        cycle=cycle, dagster_run_id=context.run.run_id, candidate=cand, champion=champ, reference=ref,
         champion_registry_version=champion_registry_version, sets=sets, decision=decision, gate=gate,
         cost=cost.to_dict(), intelligence_per_dollar=record.ipd)
     path = reports.write_report(report_path(cycle), report)
@@ -171,7 +171,7 @@ def _log_eval(context, uri: str, parent: str, cycle: int, report: dict, cand: Po
               ) -> tuple[str, str]:
     """The eval stage's MLflow run: scores, the report, the cycle's datasets, the candidate checkpoint."""
     data = home().data
-    with tracking.stage_run(uri, parent, "evaluate", tags=tracking.dagster_tags(context.run_id, "eval_report"),
+    with tracking.stage_run(uri, parent, "evaluate", tags=tracking.dagster_tags(context.run.run_id, "eval_report"),
                             params={"policy_version_in": champ.policy_version, "policy_version_out": cand.policy_version}) as log:
         for who, ev in (("candidate", cand), ("champion", champ)):
             log.log_metrics({f"{who}.{s}.pass_at_1": v.pass_at_1 for s, v in ev.scores.items()}, step=cycle)
@@ -206,9 +206,9 @@ def _champion_check(context, config: EvalReportConfig, server: PolicyServer, uri
     tokenizer = load_hf_tokenizer(policies.hf_dir(champion))
     engine = server.engine(policies.hf_dir(champion), champion)
     champ = evaluate_policy(engine, tokenizer, policies.hf_dir(champion), champion, sets.sets, config.eval_config())
-    report = reports.champion_report(dagster_run_id=context.run_id, champion=champ,
+    report = reports.champion_report(dagster_run_id=context.run.run_id, champion=champ,
                                      champion_registry_version=champion_registry_version, sets=sets)
-    path = reports.write_report(reports.champion_report_path(home().data, context.run_id), report)
+    path = reports.write_report(reports.champion_report_path(home().data, context.run.run_id), report)
     return dg.MaterializeResult(
         metadata={"kind": reports.CHAMPION, "champion_version": champion,
                   "champion_score": dg.MetadataValue.float(champ.scores["deciding"].pass_at_1),
