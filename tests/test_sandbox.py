@@ -19,6 +19,16 @@ from ops.reward.sandbox import Limits, Outcome, Sandbox, SandboxUnavailable, bwr
 HAS_BWRAP = bwrap_status()[0]
 
 
+def require_bwrap() -> None:
+    """A missing bwrap fails the test (the sandbox fails closed), unless running without the
+    sandbox was explicitly allowed for development."""
+    if HAS_BWRAP:
+        return
+    if isolation.unsafe_allowed():
+        pytest.skip(f"bubblewrap not usable ({bwrap_status()[1]}); {isolation.UNSAFE_ENV}=1")
+    pytest.fail(f"bubblewrap not usable: {bwrap_status()[1]}; {isolation.INSTALL_HINT}")
+
+
 @pytest.fixture(scope="module")
 def sb() -> Sandbox:
     return Sandbox(Limits(wall_seconds=10))
@@ -143,8 +153,8 @@ def test_cli_sandbox_json_and_user_errors(capsys):
     assert "command not found" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not HAS_BWRAP, reason="bubblewrap is not usable here")
 def test_bwrap_view_is_read_only_without_network_and_sees_its_own_pids(sb):
+    require_bwrap()
     r = sb.run([sys.executable, "-c", (
         "import os, socket\n"
         "print(os.getpid(), os.getppid())\n"
@@ -159,7 +169,10 @@ def test_bwrap_view_is_read_only_without_network_and_sees_its_own_pids(sb):
     assert r.isolation == "bwrap"
 
 
-def test_fallback_without_bwrap_still_limits_and_protects_the_verifier(tmp_path):
+def test_fallback_without_bwrap_still_limits_and_protects_the_verifier(tmp_path, monkeypatch):
+    with pytest.raises(SandboxUnavailable, match="PERPETUA_UNSAFE_NO_SANDBOX=1"):
+        Sandbox(isolation="rlimits")
+    monkeypatch.setenv(isolation.UNSAFE_ENV, "1")
     fb = Sandbox(Limits(wall_seconds=5), isolation="rlimits")
     assert fb.isolation == "rlimits"
     assert fb.run(["sh", "-c", "while :; do :; done"], limits=fb.limits.but(wall_seconds=1)).outcome is Outcome.TIMEOUT
@@ -171,13 +184,55 @@ def test_fallback_without_bwrap_still_limits_and_protects_the_verifier(tmp_path)
     assert r.outcome is Outcome.CRASHED and r.signal == signal.SIGKILL
 
 
-def test_fallback_warns_once(monkeypatch, caplog):
+def test_without_bwrap_the_sandbox_fails_closed_unless_explicitly_unsafe(monkeypatch, caplog):
     monkeypatch.setattr(isolation, "bwrap_status", lambda: (False, "bubblewrap (bwrap) is not installed"))
     monkeypatch.setattr(isolation, "_warned_fallback", False)
+    monkeypatch.delenv(isolation.UNSAFE_ENV, raising=False)
+    for requested in ("auto", "bwrap", "rlimits"):
+        with pytest.raises(SandboxUnavailable) as e:
+            Sandbox(isolation=requested)
+        assert "PERPETUA_UNSAFE_NO_SANDBOX=1" in str(e.value)
+    with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
+        Sandbox()
+    monkeypatch.setenv(isolation.UNSAFE_ENV, "1")
     with caplog.at_level(logging.WARNING, logger="perpetua.sandbox"):
         assert Sandbox().isolation == "rlimits"
         assert Sandbox().isolation == "rlimits"
-    warnings = [r for r in caplog.records if "SANDBOX FALLBACK" in r.getMessage()]
+    warnings = [r for r in caplog.records if "UNSAFE: NO SANDBOX" in r.getMessage()]
     assert len(warnings) == 1 and "not installed" in warnings[0].getMessage()
     with pytest.raises(SandboxUnavailable):
         Sandbox(isolation="bwrap")
+
+
+def test_sandboxed_code_cannot_create_user_namespaces(sb):
+    require_bwrap()
+    r = sb.run(["sh", "-c", "unshare -U true && echo made-userns"])
+    assert "made-userns" not in r.stdout and r.outcome is not Outcome.PASS
+    r = sb.run([sys.executable, "-c", "import threading, subprocess; t = threading.Thread(target=print); t.start(); t.join();"
+                " print(subprocess.run(['true']).returncode)"])
+    assert r.outcome is Outcome.PASS and r.stdout.strip() == "0", "threads and subprocesses still work"
+
+
+def test_a_command_posing_as_a_bwrap_error_is_its_own_failure_not_infrastructure(sb):
+    require_bwrap()
+    from ops.reward.outcome import is_infra
+    r = sb.run(["sh", "-c", "echo 'bwrap: Can not mount' >&2; exit 1"])
+    assert r.outcome is Outcome.FAIL and not is_infra(r)
+
+
+def test_uid_lock_directory_pre_created_by_another_user_is_refused(tmp_path, monkeypatch):
+    from ops.reward import uid_pool
+    planted = tmp_path / "locks"
+    planted.mkdir(mode=0o777)
+    os.chmod(planted, 0o777)
+    monkeypatch.setenv("PERPETUA_SANDBOX_UID_LOCKS", str(planted))
+    with pytest.raises(uid_pool.UidPoolError, match="mode 0700"):
+        uid_pool.lock_dir()
+    os.chmod(planted, 0o700)
+    os.chown(planted, 12345, 12345) if os.geteuid() == 0 else None
+    if os.geteuid() == 0:
+        with pytest.raises(uid_pool.UidPoolError, match="owned by uid 0"):
+            uid_pool.lock_dir()
+    fresh = tmp_path / "fresh"
+    monkeypatch.setenv("PERPETUA_SANDBOX_UID_LOCKS", str(fresh))
+    assert uid_pool.lock_dir() == fresh and (fresh.stat().st_mode & 0o777) == 0o700

@@ -67,6 +67,15 @@ _VIOLATION_MARKERS = (
 )
 
 
+SANDBOX_START_FAILED = "sandbox failed to start"
+
+
+def is_infra(result: "SandboxResult") -> bool:
+    """The sandbox itself failed (bwrap could not set up, the process could not be spawned):
+    an infrastructure failure, retried and never a reward."""
+    return result.outcome is Outcome.CRASHED and result.reason.startswith((SANDBOX_START_FAILED, "could not start"))
+
+
 def signal_of(code: int) -> int | None:
     """The signal behind a shell-convention exit code (128+N), if any."""
     return code - 128 if code > 128 and code - 128 < signal.NSIG else None
@@ -90,7 +99,7 @@ def classify(
     if code == 0:
         return Outcome.PASS, "exit 0", violations
     if isolation == "bwrap" and code == 1 and stderr.startswith("bwrap:"):
-        return Outcome.CRASHED, f"sandbox failed to start the command: {stderr.strip()[:200]}", violations
+        return Outcome.CRASHED, f"{SANDBOX_START_FAILED}: {stderr.strip()[:200]}", violations
     if code in (126, 127):
         return Outcome.CRASHED, f"exit {code}: the command could not be executed", violations
     if hits := [m for m in _RESOURCE_MARKERS if m in stderr]:

@@ -24,14 +24,14 @@ from ops.reward.uid_pool import UidSlot
 
 
 def execute(cmd, *, cwd, env, stdin, limits: Limits, nproc: int, isolation: Isolation,
-            slot: UidSlot | None) -> SandboxResult:
+            slot: UidSlot | None, pass_fds: tuple[int, ...] = ()) -> SandboxResult:
     """Run `cmd` under `limits` and say what happened (see the module docstring)."""
     start = time.monotonic()
     try:
         proc = subprocess.Popen(
             cmd, cwd=cwd, env=env, start_new_session=True, preexec_fn=preexec_limits(limits, nproc),
             stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, close_fds=True, pass_fds=pass_fds,
         )
     except OSError as e:
         return SandboxResult(Outcome.CRASHED, None, time.monotonic() - start, "", str(e), isolation=isolation,

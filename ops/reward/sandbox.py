@@ -29,6 +29,7 @@ itself between failing outcomes, never into `pass`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -46,11 +47,12 @@ from ops.reward.isolation import (
     dedupe,
     default_exposed,
     default_hidden,
+    no_userns_filter,
     resolve_isolation,
     under,
 )
 from ops.reward.limits import Limits, process_budget
-from ops.reward.outcome import Outcome, SandboxResult
+from ops.reward.outcome import SANDBOX_START_FAILED, Outcome, SandboxResult
 from ops.reward.process import execute
 from ops.reward.uid_pool import UidSlot
 
@@ -152,7 +154,10 @@ class Workspace:
         env: Mapping[str, str] | None = None,
         limits: Limits | None = None,
         cwd: str | os.PathLike | None = None,
+        pass_fds: Sequence[int] = (),
     ) -> SandboxResult:
+        """Run `argv` in this work directory. `pass_fds` stay open in the command (a channel the
+        caller reads, e.g. a harness's result pipe)."""
         sb = self.sandbox
         limits = limits or sb.limits
         if not argv:
@@ -164,8 +169,14 @@ class Workspace:
         self._hand_over()
         uid = self._slot.uid if self._slot else None
         cmd, nproc, popen_env = sb._command(argv, self.path, work_cwd, full_env, limits, uid)
-        return execute(cmd, cwd=work_cwd, env=popen_env, stdin=stdin, limits=limits, nproc=nproc,
-                       isolation=sb.isolation, slot=self._slot)
+        with no_userns_filter(cmd) as filter_fds, _info_pipe(cmd) as info:
+            result = execute(cmd, cwd=work_cwd, env=popen_env, stdin=stdin, limits=limits, nproc=nproc,
+                             isolation=sb.isolation, slot=self._slot, pass_fds=(*filter_fds, *info[1:], *pass_fds))
+            started = info[0]() if info else True
+        if result.reason.startswith(SANDBOX_START_FAILED) and started:
+            # the command itself wrote "bwrap: ..." and exited 1: its own failure, not the sandbox's
+            result = dataclasses.replace(result, outcome=Outcome.FAIL, reason=f"exit {result.exit_code}")
+        return result
 
     def _hand_over(self) -> None:
         """Files the host put here become the sandboxed uid's, so the command may change them."""
@@ -177,6 +188,31 @@ class Workspace:
             for n in dirs + names:
                 with contextlib.suppress(FileNotFoundError):
                     os.lchown(os.path.join(root, n), uid, uid)
+
+
+@contextlib.contextmanager
+def _info_pipe(cmd: list[str]):
+    """For a bwrap command: `--info-fd` on a pipe, so the host knows from bwrap itself (not from
+    text the command can write) whether the sandbox started. Yields (started(), write fd) or ()."""
+    if not cmd or cmd[0] != "bwrap":
+        yield ()
+        return
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    cmd[1:1] = ["--info-fd", str(w)]
+    seen = bytearray()
+
+    def started() -> bool:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while chunk := os.read(r, 4096):
+                seen.extend(chunk)
+        return b"child-pid" in seen
+
+    try:
+        yield (started, w)
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 def _force_remove(func, path, _exc) -> None:

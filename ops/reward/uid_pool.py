@@ -13,6 +13,7 @@ import fcntl
 import logging
 import os
 import signal
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -23,17 +24,35 @@ _UID_BASE = int(os.environ.get("PERPETUA_SANDBOX_UID_BASE", "1950000000"))
 _UID_SLOTS = 128
 
 
+class UidPoolError(RuntimeError):
+    """The uid pool cannot hand out a uid (busy, or its lock directory is not trustworthy): an
+    infrastructure failure, never the scored code's fault."""
+
+
+def lock_dir() -> Path:
+    """The pool's lock directory: created 0700 by this (root) process, and refused unless it is a
+    real directory owned by this uid with no access for anyone else. Another user who pre-created
+    it could otherwise hold or hand out the locks."""
+    path = Path(os.environ.get("PERPETUA_SANDBOX_UID_LOCKS") or Path(tempfile.gettempdir()) / "perpetua-sandbox-uids")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise UidPoolError(f"sandbox uid lock directory {path} must be a directory owned by uid {os.geteuid()} "
+                           f"with mode 0700 (found uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}); remove it")
+    return path
+
+
 class UidSlot:
     """An unused numeric uid, held with a lock file so concurrent runs (threads or processes)
     never share one. Released only once no process of that uid is left."""
 
     def __init__(self) -> None:
-        lock_dir = Path(tempfile.gettempdir()) / "perpetua-sandbox-uids"
-        lock_dir.mkdir(mode=0o700, exist_ok=True)
+        locks = lock_dir()
         deadline = time.monotonic() + 60
         while True:
             for n in range(_UID_SLOTS):
-                fd = os.open(lock_dir / f"{_UID_BASE + n}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+                fd = os.open(locks / f"{_UID_BASE + n}.lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -42,7 +61,7 @@ class UidSlot:
                 self.uid, self._fd = _UID_BASE + n, fd
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"all {_UID_SLOTS} sandbox uids are busy")
+                raise UidPoolError(f"all {_UID_SLOTS} sandbox uids are busy")
             time.sleep(0.05)
 
     def processes(self) -> list[int]:
