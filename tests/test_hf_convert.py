@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,3 +70,53 @@ def test_import_rejects_other_architectures(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="only Mixtral-format"):
         hf_convert.import_hf(tmp_path)
+
+
+class _SlowTokenizer:
+    """Tokenizer files written while another writer tries the same export."""
+    bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
+
+    def __init__(self, during):
+        self.during = during
+
+    def save_pretrained(self, out_dir: str) -> None:
+        (Path(out_dir) / "tokenizer.json").write_text("{}")
+        self.during()
+
+
+def test_two_writers_racing_for_one_policy_version(tmp_path):
+    """One wins, the other gets a clear error, the winner's files are intact."""
+    from ops.common.atomic import ArtifactConflict
+
+    init_single_process()
+    cfg = PRESETS["tiny"]
+    sd_a = checkpoint.global_state_dict(build_model(cfg, seed=1), cfg.num_experts)
+    sd_b = checkpoint.global_state_dict(build_model(cfg, seed=2), cfg.num_experts)
+    target = tmp_path / "v0001" / "hf"
+    refused = []
+
+    def second_writer():
+        with pytest.raises(ArtifactConflict, match="another writer is writing it now") as e:
+            hf_convert.export_hf(cfg, sd_b, target, extra={"writer": "b"})
+        refused.append(str(e.value))
+
+    hf_convert.export_hf(cfg, sd_a, target, _SlowTokenizer(second_writer), extra={"writer": "a"})
+    assert refused
+    files = {p.name: p.read_bytes() for p in target.iterdir()}
+    with pytest.raises(ArtifactConflict, match="exists already"):
+        hf_convert.export_hf(cfg, sd_b, target, extra={"writer": "b"})
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == files
+    assert json.loads((target / "config.json").read_text())["writer"] == "a"
+    back = hf_convert.hf_to_megatron(cfg, hf_convert.load_hf_tensors(target))
+    assert torch.equal(back["output_layer.weight"], sd_a["output_layer.weight"])
+    assert sorted(p.name for p in target.parent.iterdir() if not p.name.startswith(".")) == ["hf"]
+
+
+def test_replace_swaps_an_export(tmp_path):
+    init_single_process()
+    cfg = PRESETS["tiny"]
+    sd = checkpoint.global_state_dict(build_model(cfg, seed=1), cfg.num_experts)
+    hf_convert.export_hf(cfg, sd, tmp_path / "hf", extra={"writer": "a"})
+    hf_convert.export_hf(cfg, sd, tmp_path / "hf", extra={"writer": "b"}, replace=True)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["writer"] == "b"
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["hf"]

@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from ops.common.atomic import fsync_dir
 from ops.harvest.failures import failure_rows, merge_failures
 from ops.harvest.validation import np_bool
 
@@ -118,6 +119,7 @@ class HarvestBatch:
             self.discard_quarantine()
             return None
         os.replace(self.quarantine_tmp, final)
+        fsync_dir(final.parent)
         return final
 
     # classification --------------------------------------------------------------------------

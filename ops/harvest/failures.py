@@ -12,7 +12,6 @@ of that harvest alone); both have the schema `HARVESTED_FAILURES`.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ops.common.atomic import atomic_path
 from ops.common.paths import Home, home as default_home
 from ops.common.tables import read_table, table_hash
 from ops.harvest.state import load_cursor, state_dir
@@ -84,12 +84,11 @@ def read_failures(home: Home | None = None) -> pa.Table:
 
 
 def write_failures(table: pa.Table, path: Path) -> None:
-    """Write a failures table under a temporary name, then rename it into place."""
+    """Write a failures table durably under a temporary name, then rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    # list children stay named "item", so the table reads back equal (and hashes the same)
-    pq.write_table(table.replace_schema_metadata(HARVESTED_FAILURES.metadata), tmp, use_compliant_nested_type=False)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        # list children stay named "item", so the table reads back equal (and hashes the same)
+        pq.write_table(table.replace_schema_metadata(HARVESTED_FAILURES.metadata), tmp, use_compliant_nested_type=False)
 
 
 def failures_version(table: pa.Table) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import re
 from collections.abc import Iterable
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ops.common.atomic import atomic_path, atomic_write_bytes
 from ops.common.paths import Home
 
 CURSOR_VERSION = 1
@@ -56,7 +56,7 @@ def load_cursor(state: Path) -> dict:
 
 def write_cursor(state: Path, cursor: dict) -> None:
     """Commit: after this the cursor's generation is the current one."""
-    atomic_write(state / "cursor.json", json.dumps(cursor, indent=1, sort_keys=True).encode())
+    atomic_write_bytes(state / "cursor.json", json.dumps(cursor, indent=1, sort_keys=True).encode())
 
 
 def seen_path(state: Path, generation: int) -> Path:
@@ -69,23 +69,9 @@ def load_seen(state: Path, generation: int) -> np.ndarray:
 
 
 def write_seen(state: Path, generation: int, values: np.ndarray) -> None:
-    path = seen_path(state, generation)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, values)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write a file so that readers see either the old bytes or all of the new ones."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_path(seen_path(state, generation)) as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, values)
 
 
 def prune(generation: int, folders: Iterable[tuple[Path, str]]) -> None:

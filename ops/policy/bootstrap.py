@@ -56,9 +56,10 @@ def bootstrap_base_policy(out_dir: Path, cfg: BootstrapConfig, log: Callable[[di
     result = train_sft(model, tokenizer, cfg.sft, log=log)
 
     sd = checkpoint.global_state_dict(model, pcfg.num_experts)
+    # v0 is rebuilt in place when its config or code changes: the new one replaces the old
     ckpt = checkpoint.save(out_dir / "checkpoint", 0, sd, meta={"policy_version": 0, "preset": pcfg.name,
-                                                               "policy_config": pcfg.model_dump()})
-    hf_dir = hf_convert.export_hf(pcfg, sd, out_dir / "hf", tokenizer, extra={"perpetua_policy_version": 0})
+                                                               "policy_config": pcfg.model_dump()}, replace=True)
+    hf_dir = hf_convert.export_hf(pcfg, sd, out_dir / "hf", tokenizer, extra={"perpetua_policy_version": 0}, replace=True)
     (out_dir / "bootstrap.json").write_text(json.dumps(result.to_dict(), indent=2))
     return BootstrapResult(hf_dir, ckpt, result, pcfg.num_parameters)
 
@@ -75,4 +76,4 @@ def random_policy(out_dir: Path, seed: int = 1234, preset: str = "tiny", version
     model = build_model(pcfg, seed=seed)
     extra = None if version is None else {"perpetua_policy_version": version}
     return hf_convert.export_hf(pcfg, checkpoint.global_state_dict(model, pcfg.num_experts), out_dir / "hf", tokenizer,
-                                extra=extra)
+                                extra=extra, replace=True)

@@ -7,19 +7,24 @@ picked back by each rank on load. Replicated tensors are written once (DCP dedup
 
 A checkpoint is complete only once its `COMPLETE` marker exists: it is written into
 `step-N.partial/` and renamed to `step-N/` after every rank has finished, so a process killed in
-the middle of a save leaves a `.partial` directory that `latest_complete` never returns.
+the middle of a save leaves a `.partial` directory that `latest_complete` never returns. Rank 0
+claims the step first (`ops.common.atomic.exclusive_dir`): a step that exists, or that another
+writer is saving now, is refused on every rank with `ArtifactConflict`, never overwritten; the
+files, the marker and the directory are fsynced before the rename publishes the step.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from ops.common.atomic import ArtifactConflict, exclusive_dir
 
 _EXPERT = re.compile(r"(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)")
 COMPLETE = "COMPLETE"
@@ -104,36 +109,51 @@ def _barrier() -> None:
 
 
 def save(directory: Path, step: int, model_sd: dict, optim_state: dict | None = None, meta: dict | None = None,
-         before_commit: Callable[[], None] | None = None) -> Path:
+         before_commit: Callable[[], None] | None = None, replace: bool = False) -> Path:
     """Save a complete checkpoint as `directory/step-{step:06d}`; returns its path.
 
+    Raises ArtifactConflict (on every rank) when that step exists already or another writer is
+    saving it; `replace` swaps an existing step for this one (a rebuilt base policy).
     `before_commit` runs on every rank after the tensors are written and before the COMPLETE
     marker (a test hook: a process killed there must leave only a `.partial` directory)."""
     import torch.distributed.checkpoint as dcp
 
     directory = Path(directory)
     final = directory / f"step-{step:06d}"
-    partial = directory / f"step-{step:06d}.partial"
-    if _rank() == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    _barrier()
     rank = _rank()
-    state = {"model": model_sd, "rng": {f"rank{rank}": torch.get_rng_state()}}
-    if optim_state is not None:
-        state["optim"] = optim_state
-    dcp.save(state, checkpoint_id=str(partial))
-    _barrier()
-    if before_commit is not None:
-        before_commit()
-    if rank == 0:
-        (partial / "meta.json").write_text(json.dumps({"step": step} | (meta or {}), indent=2))
-        (partial / COMPLETE).write_text("")
-        if final.exists():
-            shutil.rmtree(final)
-        partial.rename(final)
+    with ExitStack() as claim:
+        partial, refused = None, None
+        if rank == 0:
+            try:
+                partial = claim.enter_context(exclusive_dir(final, replace=replace))
+            except ArtifactConflict as e:
+                refused = str(e)
+        refused = _from_rank0(refused)
+        if refused is not None:
+            raise ArtifactConflict(refused)
+        partial = _from_rank0(str(partial) if partial is not None else None)
+        state = {"model": model_sd, "rng": {f"rank{rank}": torch.get_rng_state()}}
+        if optim_state is not None:
+            state["optim"] = optim_state
+        dcp.save(state, checkpoint_id=partial)
+        _barrier()
+        if before_commit is not None:
+            before_commit()
+        if rank == 0:
+            (Path(partial) / "meta.json").write_text(json.dumps({"step": step} | (meta or {}), indent=2))
+            (Path(partial) / COMPLETE).write_text("")
+        # leaving the claim on rank 0 fsyncs the step and renames it into place
     _barrier()
     return final
+
+
+def _from_rank0(value: str | None) -> str | None:
+    """Rank 0's `value` on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def latest_complete(directory: Path) -> Path | None:

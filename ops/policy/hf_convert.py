@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ops.common.atomic import exclusive_dir
 from ops.policy.model import PolicyConfig
 
 _TE_ALIASES = {".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight"}
@@ -165,30 +166,23 @@ def policy_config_from_hf(config: dict, name: str = "imported") -> PolicyConfig:
 
 
 def export_hf(cfg: PolicyConfig, megatron_sd: dict[str, torch.Tensor], out_dir: Path, tokenizer=None,
-              extra: dict | None = None) -> Path:
+              extra: dict | None = None, replace: bool = False) -> Path:
     """Write an HF Mixtral directory (config.json, model.safetensors, tokenizer files).
 
-    Written to a temporary sibling and renamed, so a reader never sees a half-exported model.
+    Written to a `.partial` sibling, fsynced and renamed into place only if `out_dir` does not
+    exist (`ops.common.atomic.exclusive_dir`), so a reader never sees a half-exported model and
+    an export never replaces another writer's: that raises ArtifactConflict. `replace` swaps an
+    existing export for this one (a rebuilt base policy, a scratch export).
     """
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    if tmp.exists():
-        import shutil
-
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in megatron_to_hf(cfg, megatron_sd).items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(hf_config(cfg, tokenizer) | (extra or {}), indent=2))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
-    if out_dir.exists():
-        import shutil
-
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    with exclusive_dir(out_dir, replace=replace) as tmp:
+        tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in megatron_to_hf(cfg, megatron_sd).items()}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, tokenizer) | (extra or {}), indent=2))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
     return out_dir
 
 

@@ -1,0 +1,162 @@
+"""Durable, atomic writes: the one mechanism every stage uses for what a later stage trusts.
+
+A file is written to a temporary sibling, flushed and fsynced, renamed over its final name and
+the directory fsynced, so a reader (or a machine that lost power) sees either the old bytes or
+all of the new ones. A versioned directory (a policy export, a learner checkpoint step) is
+written to a `.partial` sibling under an exclusive lock and renamed into place only if nothing
+is there yet: two writers racing for one version leave one winner with its files intact and
+give the other an `ArtifactConflict`; no writer deletes another's version.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+class ArtifactConflict(RuntimeError):
+    """A versioned artefact exists already, or another writer is writing it now."""
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root` (and `root`), deepest first."""
+    root = Path(root)
+    for folder, dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            p = Path(folder) / name
+            if not p.is_symlink():
+                fsync_file(p)
+        fsync_dir(Path(folder))
+
+
+def _temp_sibling(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary path to write `path` through (by any writer: pyarrow, numpy, ...);
+    on a clean exit it is fsynced and renamed over `path`, on an error it is removed."""
+    path = Path(path)
+    tmp = _temp_sibling(path)
+    try:
+        yield tmp
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write a file so that readers see either the old bytes or all of the new ones."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+try:
+    _renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+except (AttributeError, OSError):  # no renameat2 in this libc
+    _renameat2 = None
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename `src` to `dst`, failing with FileExistsError when `dst` exists (even an empty dir)."""
+    if _renameat2 is not None:
+        if _renameat2(_AT_FDCWD, os.fsencode(str(src)), _AT_FDCWD, os.fsencode(str(dst)), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err in (errno.EEXIST, errno.ENOTEMPTY):
+            raise FileExistsError(err, os.strerror(err), str(dst))
+        if err not in (errno.ENOSYS, errno.EINVAL):  # EINVAL: a file system without the flag
+            raise OSError(err, os.strerror(err), str(src))
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    try:
+        os.rename(src, dst)  # onto a non-empty directory this fails on Linux
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise FileExistsError(e.errno, e.strerror, str(dst)) from None
+        raise
+
+
+def partial_dir(target: Path) -> Path:
+    """Where `exclusive_dir` writes `target` before publishing it."""
+    return target.with_name(target.name + ".partial")
+
+
+@contextmanager
+def exclusive_dir(target: Path, replace: bool = False) -> Iterator[Path]:
+    """Claim the versioned directory `target`; yield its `.partial` sibling to fill.
+
+    Raises ArtifactConflict when another writer holds the claim, or when `target` exists and
+    `replace` is false. On a clean exit every file is fsynced and the partial directory renamed
+    into place (with `replace`, the old directory is first moved aside and then removed). On an
+    error the partial directory is left for the next claimant to clear: a crash looks the same.
+    The claim is an flock on `.<name>.lock` beside `target`, released when the process dies."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(target.with_name(f".{target.name}.lock"), "a+")
+    try:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ArtifactConflict(f"{target}: another writer is writing it now") from None
+        if target.exists() and not replace:
+            raise ArtifactConflict(f"{target} exists already: this version was written by another writer")
+        partial = partial_dir(target)
+        if partial.exists():  # left by a writer that died: we hold the claim, nobody writes it
+            shutil.rmtree(partial)
+        partial.mkdir()
+        yield partial
+        publish_dir(partial, target, replace=replace)
+    finally:
+        lock.close()
+
+
+def publish_dir(partial: Path, target: Path, replace: bool = False) -> None:
+    """fsync `partial` and rename it to `target` (see `exclusive_dir`)."""
+    fsync_tree(partial)
+    aside = None
+    if replace and target.exists():
+        aside = target.with_name(f".{target.name}.replaced-{uuid.uuid4().hex[:8]}")
+        os.rename(target, aside)
+    try:
+        rename_noreplace(partial, target)
+    except FileExistsError:
+        raise ArtifactConflict(f"{target} exists already: this version was written by another writer") from None
+    fsync_dir(target.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
