@@ -41,3 +41,11 @@ test: setup
 clean:
 	-test -x $(VENV)/bin/perpetua && PERPETUA_HOME=$(CURDIR)/.perpetua $(VENV)/bin/perpetua stop
 	rm -rf .perpetua
+
+# The learner's CUDA path (bf16, megatron's optimizers, NCCL, TE where installed), megatron vs
+# transformers parity and the learner bench on a GPU machine; a dry run of the CPU-safe parts
+# elsewhere. Needs no index: set PERPETUA_WHEELS to a wheel folder (README, GPU cluster section).
+GPU_CHECK_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+.PHONY: gpu-check
+gpu-check:
+	timeout 480 $(GPU_CHECK_PYTHON) -m ops.gpu_check
