@@ -111,3 +111,74 @@ def test_tables_are_read_with_their_schemas(tmp_path):
         read_batch_tables([tmp_path / "w.parquet"], [tmp_path / "w.parquet"])
     with pytest.raises(BatchError, match="not found"):
         read_batch_tables([tmp_path / "missing.parquet"], [tmp_path / "w.parquet"])
+
+
+def _bound(rewards: pa.Table, rollouts_hash: str) -> pa.Table:
+    i = rewards.schema.get_field_index("rollouts_hash")
+    return rewards.set_column(i, "rollouts_hash", pa.array([rollouts_hash] * rewards.num_rows, pa.string()))
+
+
+def test_rewards_bound_to_another_rollouts_table_are_refused(tmp_path):
+    from ops.common.tables import read_table, table_hash
+    from ops.learn.batch import RewardsMismatch
+    from ops.learn.errors import LearnerError
+
+    rollouts, rewards = synthetic_tables(groups=3, group_size=2, seed=11)
+    write_table(rollouts, ROLLOUTS, tmp_path / "r.parquet")
+    stored_hash = table_hash(read_table(tmp_path / "r.parquet", ROLLOUTS))
+    write_table(_bound(rewards, stored_hash), REWARDS, tmp_path / "w.parquet")
+    ro, rw = read_batch_tables([tmp_path / "r.parquet"], [tmp_path / "w.parquet"])
+    assert len(build_training_batch(ro, rw)) > 0
+
+    other, _ = synthetic_tables(groups=3, group_size=2, seed=12)  # same keys, other episodes
+    write_table(other, ROLLOUTS, tmp_path / "r.parquet")
+    ro, rw = read_batch_tables([tmp_path / "r.parquet"], [tmp_path / "w.parquet"])
+    with pytest.raises(RewardsMismatch, match="computed for another rollouts table") as e:
+        build_training_batch(ro, rw)
+    assert isinstance(e.value, LearnerError) and isinstance(e.value, BatchError)
+
+
+def test_binding_holds_per_file_when_several_cycles_are_concatenated(tmp_path):
+    from ops.common.tables import read_table, table_hash
+
+    paths = []
+    for c in (1, 2):
+        ro, rw = synthetic_tables(groups=2, group_size=2, cycle=c, seed=c)
+        write_table(ro, ROLLOUTS, tmp_path / f"r{c}.parquet")
+        h = table_hash(read_table(tmp_path / f"r{c}.parquet", ROLLOUTS))
+        write_table(_bound(rw, h), REWARDS, tmp_path / f"w{c}.parquet")
+        paths.append((tmp_path / f"r{c}.parquet", tmp_path / f"w{c}.parquet"))
+    ro, rw = read_batch_tables([p for p, _ in paths], [w for _, w in paths])
+    assert build_training_batch(ro, rw).stats.rollouts == 8
+    ro, rw = read_batch_tables([paths[0][0], paths[0][0]], [w for _, w in paths])
+    with pytest.raises(BatchError, match="another rollouts table"):
+        build_training_batch(ro, rw)
+
+
+def test_infrastructure_failures_are_excluded_and_counted(caplog):
+    rollouts, rewards = synthetic_tables(groups=3, group_size=4, seed=13)
+    infra = [r["group_id"] == "c0-g0001" and r["sample_index"] in (0, 1) for r in rewards.to_pylist()]
+    i = rewards.schema.get_field_index("infra_failure")
+    rewards = rewards.set_column(i, "infra_failure", pa.array(infra, pa.bool_()))
+    with caplog.at_level("WARNING", logger="perpetua.learn"):
+        batch = build_training_batch(rollouts, rewards)
+    assert batch.stats.infra_excluded == 2 and batch.stats.rollouts == 10
+    assert not any(s.group_id == "c0-g0001" and s.sample_index in (0, 1) for s in batch.samples)
+    assert batch.stats.as_dict()["infra_excluded"] == 2
+    assert "infrastructure failure" in caplog.text
+    all_infra = rewards.set_column(i, "infra_failure", pa.array([True] * rewards.num_rows, pa.bool_()))
+    with pytest.raises(BatchError, match="nothing to learn from"):
+        build_training_batch(rollouts, all_infra)
+
+
+def test_rewards_tables_of_version_1_still_read(tmp_path):
+    import pyarrow.parquet as pq
+
+    rollouts, rewards = synthetic_tables(groups=2, group_size=2, seed=14)
+    v1 = rewards.drop_columns(["isolation", "infra_failure", "rollouts_hash"])
+    v1 = v1.replace_schema_metadata({"perpetua.table": "rewards", "perpetua.version": "1"})
+    write_table(rollouts, ROLLOUTS, tmp_path / "r.parquet")
+    pq.write_table(v1, tmp_path / "w.parquet")
+    ro, rw = read_batch_tables([tmp_path / "r.parquet"], [tmp_path / "w.parquet"])
+    assert rw.schema.metadata[b"perpetua.version"] == b"2" and rw.column("infra_failure").to_pylist() == [False] * 4
+    assert build_training_batch(ro, rw).stats.rollouts == 4

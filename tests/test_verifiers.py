@@ -328,3 +328,36 @@ def test_bench_verify_reports_a_ratio_against_the_serial_baseline():
     assert "serially" in b["baseline"]["what"] and "batched" in b["candidate"]["what"]
     assert b["sandbox_overhead"]["sandboxed_ms"] > 0
     assert b["swe_pytest"]["all_rewarded"] is True
+
+
+def test_infrastructure_failures_are_retried_once_then_marked(sb):
+    calls: dict[str, int] = {}
+
+    @register_verifier("test-flaky", "1", replace=True)
+    def flaky(it: VerifyItem, sandbox) -> Verification:
+        calls[it.completion_text] = calls.get(it.completion_text, 0) + 1
+        if it.completion_text == "always-broken" or (it.completion_text == "once" and calls["once"] == 1):
+            raise RuntimeError("all 128 sandbox uids are busy")
+        return Verification.scored(True)
+
+    try:
+        tasks = {"t": {"task_id": "t", "verifier": "test-flaky"}}
+        rows = [{"group_id": "g", "sample_index": i, "task_id": "t", "prompt_text": "", "completion_text": c}
+                for i, c in enumerate(["fine", "once", "always-broken"])]
+        report = verify_rollouts(rows, tasks, sandbox=sb)
+        assert calls == {"fine": 1, "once": 2, "always-broken": 2}
+        assert [(r["reward"], r["infra_failure"]) for r in report.rows] == [(1.0, False), (1.0, False), (0.0, True)]
+        assert report.infra_retried == 2 and report.infra_failures == 1
+        assert report.summary()["infra_failures"] == 1 and all(r["isolation"] == "bwrap" for r in report.rows)
+    finally:
+        verifiers._REGISTRY.pop("test-flaky", None)
+
+
+def test_stored_rewards_name_the_rollouts_table_they_scored(perpetua_home, sb):
+    from ops.reward.scoring import rollouts_path, score_cycle
+    from ops.common.tables import ROLLOUTS
+
+    _store_cycle(perpetua_home, 4)
+    _, path, _ = score_cycle(perpetua_home / "data", 4, sandbox=sb)
+    scored = table_hash(read_table(rollouts_path(perpetua_home / "data", 4), ROLLOUTS))
+    assert set(read_table(path, REWARDS).column("rollouts_hash").to_pylist()) == {scored}

@@ -1,7 +1,8 @@
 """Arrow schemas of the tables that stages hand each other (Parquet under PERPETUA_HOME/data).
 
 Each schema carries a version in its metadata; a reader refuses a table whose version it does
-not know rather than guessing. Bump the version when a field changes meaning or type.
+not know rather than guessing. Bump the version when a field changes meaning or type; a known
+older version is upgraded on read (`_UPGRADES`), so stored tables stay readable.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 ROLLOUTS_VERSION = "1"
-REWARDS_VERSION = "1"
+REWARDS_VERSION = "2"
 
 # One row per sampled episode. Token-in/token-out: `completion_ids` are every token after the
 # prompt (model turns and tool results, in order); `loss_mask` is 1 on model-generated tokens
@@ -61,9 +62,26 @@ REWARDS = pa.schema(
         ("details", pa.string()),  # JSON: which checks or tests passed, and why not
         ("flagged", pa.bool_()),  # a sandbox violation or a reward-hacking guard fired
         ("seconds", pa.float32()),
+        # v2: what the reward is worth
+        ("isolation", pa.string()),  # bwrap | rlimits (PERPETUA_UNSAFE_NO_SANDBOX=1: no sandbox; never deployable)
+        ("infra_failure", pa.bool_()),  # the verification itself failed (twice); excluded from training
+        ("rollouts_hash", pa.string()),  # table_hash of the rollouts table these rewards score
     ],
     metadata={"perpetua.table": "rewards", "perpetua.version": REWARDS_VERSION},
 )
+
+
+def _rewards_v1_to_v2(table: pa.Table) -> pa.Table:
+    """v1 rewards predate the isolation, infra_failure and rollouts_hash columns: unknown (null)
+    isolation and binding, no infrastructure failures."""
+    n = table.num_rows
+    table = table.append_column("isolation", pa.nulls(n, pa.string()))
+    table = table.append_column("infra_failure", pa.array([False] * n, pa.bool_()))
+    return table.append_column("rollouts_hash", pa.nulls(n, pa.string()))
+
+
+# (table, stored version) -> function bringing such a table to the current schema
+_UPGRADES = {(b"rewards", b"1"): _rewards_v1_to_v2}
 
 
 class SchemaMismatch(ValueError):
@@ -86,6 +104,9 @@ def read_table(path: Path, schema: pa.Schema) -> pa.Table:
     table = pq.read_table(path)
     want = schema.metadata or {}
     got = table.schema.metadata or {}
+    upgrade = _UPGRADES.get((got.get(b"perpetua.table"), got.get(b"perpetua.version")))
+    if upgrade is not None and got.get(b"perpetua.table") == want.get(b"perpetua.table"):
+        return upgrade(table).cast(schema).replace_schema_metadata(schema.metadata)
     for key in (b"perpetua.table", b"perpetua.version"):
         if got.get(key) != want.get(key):
             raise SchemaMismatch(f"{path}: {key.decode()} is {got.get(key)!r}, expected {want.get(key)!r}")

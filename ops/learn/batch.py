@@ -8,6 +8,9 @@ the loss (train/inference mismatch, truncated importance sampling).
 
 Bad input is rejected as a whole with a `BatchError` that says what is wrong and where: a rollout
 without a reward (or the reverse) would bias its group's baseline, so nothing is dropped silently.
+Rewards bound to another rollouts table (their `rollouts_hash`) are refused (`RewardsMismatch`).
+The one exclusion: a rollout whose verification was an infrastructure failure (`infra_failure`,
+after its retry) has no reward at all; it is left out with its reward row, and counted.
 Samples are ordered by rollout key, so the batch (and the micro-batches cut from it) does not
 depend on the row order of the Parquet files.
 """
@@ -15,6 +18,7 @@ depend on the row order of the Parquet files.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,15 +28,22 @@ import torch
 
 from ops.learn.advantages import AdvantageConfig, GroupAdvantages, group_advantages
 from ops.policy.sequences import Sequence
+from ops.learn.errors import LearnerError
 from ops.common.tables import REWARDS, ROLLOUTS, SchemaMismatch, read_table, table_hash
 
 _ROLLOUT_COLUMNS = ["group_id", "sample_index", "policy_version", "prompt_ids", "completion_ids",
                     "behaviour_logprobs", "loss_mask"]
 _REWARD_COLUMNS = ["group_id", "sample_index", "reward", "flagged"]
+log = logging.getLogger("perpetua.learn")
+_PART_HASHES = b"perpetua.part_hashes"  # table_hash of each rollouts file of a concatenated table
 
 
 class BatchError(ValueError):
     """The verified batch cannot be trained on as given (the message says why)."""
+
+
+class RewardsMismatch(BatchError, LearnerError):
+    """The rewards were computed for another rollouts table than the one being trained on."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,7 @@ class BatchStats:
     trained_tokens: int  # loss-masked tokens of the kept samples
     tokens: int  # all tokens (prompt + completion) of the kept samples
     behaviour_policy_versions: tuple[int, ...]  # versions that generated the kept samples
+    infra_excluded: int = 0  # rollouts left out: their verification was an infrastructure failure
 
     def as_dict(self, prefix: str = "") -> dict:
         d = asdict(self)
@@ -91,7 +103,27 @@ def read_batch_tables(rollout_paths: list[Path], reward_paths: list[Path]) -> tu
         except SchemaMismatch as e:
             raise BatchError(f"{what}: {e}") from None
 
-    return read(rollout_paths, ROLLOUTS, "rollouts"), read(reward_paths, REWARDS, "rewards")
+    rollouts = read(rollout_paths, ROLLOUTS, "rollouts")
+    if len(rollout_paths) > 1:  # the concatenation has a hash of its own; keep each file's
+        parts = ",".join(table_hash(read_table(Path(p), ROLLOUTS)) for p in rollout_paths)
+        rollouts = rollouts.replace_schema_metadata({**(rollouts.schema.metadata or {}), _PART_HASHES: parts.encode()})
+    return rollouts, read(reward_paths, REWARDS, "rewards")
+
+
+def check_binding(rollouts: pa.Table, rewards: pa.Table) -> None:
+    """Every reward row that names the rollouts table it scored must name this one (or one of the
+    files it was concatenated from). Rows without a hash predate the binding (rewards v1)."""
+    if "rollouts_hash" not in rewards.column_names:
+        return
+    bound = {h for h in rewards.column("rollouts_hash").to_pylist() if h is not None}
+    if not bound:
+        return
+    parts = (rollouts.schema.metadata or {}).get(_PART_HASHES)
+    known = set(parts.decode().split(",")) if parts else {table_hash(rollouts)}
+    if stray := bound - known:
+        raise RewardsMismatch(
+            f"the rewards were computed for another rollouts table (hash {', '.join(sorted(stray))}; this batch's "
+            f"rollouts: {', '.join(sorted(known))}); re-verify these rollouts (perpetua rescore) before training")
 
 
 def batch_id(rollouts: pa.Table, rewards: pa.Table) -> str:
@@ -116,14 +148,23 @@ def build_training_batch(
 ) -> TrainingBatch:
     """Join, validate, compute advantages and filter (see the module docstring)."""
     cfg = cfg or AdvantageConfig()
+    check_binding(rollouts, rewards)
     by_key, reward_of = _join(rollouts, rewards)
+    infra = _infra_failures(rewards)
+    for key in infra:
+        by_key.pop(key, None)
+        reward_of.pop(key, None)
+    if infra:
+        log.warning("%d rollout(s) left out of the batch: their verification was an infrastructure failure", len(infra))
+    if not by_key:
+        raise BatchError(f"every rollout's verification was an infrastructure failure ({len(infra)}): nothing to learn from")
     keys = sorted(by_key)
     _validate(keys, by_key, reward_of, vocab_size, max_length)
     reward = torch.tensor([float(reward_of[k]["reward"]) for k in keys], dtype=torch.float64)
     adv = group_advantages(reward, [k[0] for k in keys], cfg)
     samples = [_sample(key, by_key[key], float(adv.advantages[i]), float(reward[i]))
                for i, key in enumerate(keys) if bool(adv.keep[i])]
-    stats = _batch_stats(keys, reward_of, reward, adv, samples)
+    stats = _batch_stats(keys, reward_of, reward, adv, samples, len(infra))
     return TrainingBatch(samples, stats, batch_id(rollouts, rewards))
 
 
@@ -176,7 +217,15 @@ def _sample(key: tuple[str, int], r: dict, advantage: float, reward: float) -> T
                           int(r["policy_version"]))
 
 
-def _batch_stats(keys, reward_of: dict, reward: torch.Tensor, adv: GroupAdvantages, samples: list[TrainingSample]) -> BatchStats:
+def _infra_failures(rewards: pa.Table) -> set[tuple[str, int]]:
+    if "infra_failure" not in rewards.column_names:
+        return set()
+    rows = rewards.select(["group_id", "sample_index", "infra_failure"]).to_pylist()
+    return {(r["group_id"], r["sample_index"]) for r in rows if r["infra_failure"]}
+
+
+def _batch_stats(keys, reward_of: dict, reward: torch.Tensor, adv: GroupAdvantages, samples: list[TrainingSample],
+                 infra_excluded: int = 0) -> BatchStats:
     kept_rewards = [s.reward for s in samples]
     return BatchStats(
         rollouts=len(keys),
@@ -190,6 +239,7 @@ def _batch_stats(keys, reward_of: dict, reward: torch.Tensor, adv: GroupAdvantag
         trained_tokens=sum(s.trained_tokens for s in samples),
         tokens=sum(len(s.sequence.ids) for s in samples),
         behaviour_policy_versions=tuple(sorted({s.policy_version for s in samples})),
+        infra_excluded=infra_excluded,
     )
 
 

@@ -11,6 +11,12 @@ one row per rollout, keyed by (group_id, sample_index):
     details                  JSON: the checks that ran, which passed, and why not
     flagged                  a sandbox violation or a reward-hacking guard fired
     seconds                  verification time attributed to this rollout
+    isolation                bwrap, or rlimits when PERPETUA_UNSAFE_NO_SANDBOX=1 (never deployable)
+    infra_failure            the verification itself failed (sandbox start, uid pool, verifier bug)
+                             on the first try and on its one retry: not a reward, excluded by
+                             the learner
+    rollouts_hash            table_hash of the rollouts table scored; the learner refuses rewards
+                             bound to another table
 
 No rollout is dropped: one without ground truth, or whose task names an unknown verifier, or
 whose verifier raised, gets a row with outcome `crashed`, reward 0 and the reason in details.
@@ -38,7 +44,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ops.reward.sandbox import Outcome, Sandbox
-from ops.common.tables import REWARDS, ROLLOUTS, read_table, write_table
+from ops.common.tables import REWARDS, ROLLOUTS, read_table, table_hash, write_table
 from ops.reward.verifiers import (
     UnknownVerifier, Verification, VerifyItem, get_verifier, task_record, verifier_name_for,
 )
@@ -70,6 +76,16 @@ class VerifyReport:
     workers: int
     isolation: str
     versions: dict[str, str] = field(default_factory=dict)  # verifiers used -> version
+    infra_retried: int = 0  # rows whose first verification was an infrastructure failure
+
+    @property
+    def infra_failures(self) -> int:
+        """Rows still an infrastructure failure after their retry (excluded from training)."""
+        return sum(bool(r["infra_failure"]) for r in self.rows)
+
+    @property
+    def unsandboxed(self) -> bool:
+        return self.isolation != "bwrap"
 
     @property
     def verifications_per_second(self) -> float:
@@ -106,7 +122,9 @@ class VerifyReport:
         return {
             "rollouts": len(self.rows), "mean_reward": round(self.mean_reward, 6),
             "outcomes": self.outcome_counts, "outcome_share": {k: round(v, 6) for k, v in self.outcome_share.items()},
-            "flagged": self.flagged, "rejected": self.rejected, "seconds": round(self.seconds, 3),
+            "flagged": self.flagged, "flagged_rate": round(self.flagged / max(1, len(self.rows)), 6),
+            "rejected": self.rejected, "infra_failures": self.infra_failures, "infra_retried": self.infra_retried,
+            "unsandboxed": self.unsandboxed, "seconds": round(self.seconds, 3),
             "verifications_per_second": round(self.verifications_per_second, 2), "workers": self.workers,
             "isolation": self.isolation, "verifier_versions": self.versions,
             "groups": len(stats), "groups_all_equal": sum(s.all_equal for s in stats),
@@ -126,8 +144,9 @@ def group_statistics(rows: Iterable[Mapping]) -> dict[str, GroupStat]:
     return out
 
 
-def _row(item: Mapping, verifier: str, version: str, v: Verification) -> dict:
+def _row(item: Mapping, verifier: str, version: str, v: Verification, isolation: str = "") -> dict:
     return {
+        "isolation": isolation or None, "infra_failure": bool(v.infra), "rollouts_hash": None,
         "group_id": str(item["group_id"]), "sample_index": int(item["sample_index"]), "task_id": str(item["task_id"]),
         "verifier": verifier, "verifier_version": version, "reward": float(v.reward), "outcome": Outcome(v.outcome).value,
         "details": json.dumps(v.details, sort_keys=True, default=str), "flagged": bool(v.flagged),
@@ -152,7 +171,7 @@ def verify_rollouts(
     sandbox = sandbox or Sandbox()
     workers = workers or default_workers()
     items_in = _items(rollouts)
-    rows, prepared, by_verifier = _route(items_in, tasks)
+    rows, prepared, by_verifier = _route(items_in, tasks, sandbox.isolation)
     jobs = [(name, chunk) for name, idx in by_verifier.items() for chunk in _chunks(idx, get_verifier(name).batch_size, workers)]
 
     def run_job(job):
@@ -161,15 +180,29 @@ def verify_rollouts(
         try:
             return name, chunk, verifier.verify_batch([prepared[i] for i in chunk], sandbox)
         except Exception as e:  # noqa: BLE001 - a verifier bug must show up as rows, not vanish
-            return name, chunk, [Verification.failed(Outcome.CRASHED, f"verifier {name} raised {type(e).__name__}: {e}") for _ in chunk]
+            return name, chunk, [Verification.failed(Outcome.CRASHED, f"verifier {name} raised {type(e).__name__}: {e}",
+                                                     infra=True) for _ in chunk]
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify") as pool:
-        for name, chunk, results in pool.map(run_job, jobs):
-            version = get_verifier(name).version
-            for i, v in zip(chunk, results):
-                rows[i] = _row(items_in[i], name, version, v)
+    def run_all(jobs_):
+        failed = []
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify") as pool:
+            for name, chunk, results in pool.map(run_job, jobs_):
+                version = get_verifier(name).version
+                for i, v in zip(chunk, results):
+                    rows[i] = _row(items_in[i], name, version, v, sandbox.isolation)
+                    if v.infra:
+                        failed.append((name, i))
+        return failed
+
+    failed = run_all(jobs)
+    if failed:  # an infrastructure failure is retried once; a second one leaves the row marked
+        retry: dict[str, list[int]] = defaultdict(list)
+        for name, i in failed:
+            retry[name].append(i)
+        run_all([(name, chunk) for name, idx in retry.items() for chunk in _chunks(idx, get_verifier(name).batch_size, workers)])
     used = {name: get_verifier(name).version for name in by_verifier}
-    return VerifyReport([r for r in rows if r is not None], time.monotonic() - start, workers, sandbox.isolation, used)
+    return VerifyReport([r for r in rows if r is not None], time.monotonic() - start, workers, sandbox.isolation, used,
+                        infra_retried=len(failed))
 
 
 def _items(rollouts: pa.Table | Iterable[Mapping]) -> list[Mapping]:
@@ -181,7 +214,7 @@ def _items(rollouts: pa.Table | Iterable[Mapping]) -> list[Mapping]:
     return rollouts.select(_ITEM_COLUMNS).to_pylist()
 
 
-def _route(items: list[Mapping], tasks: Mapping[str, Any]):
+def _route(items: list[Mapping], tasks: Mapping[str, Any], isolation: str):
     """Each rollout to its task's verifier: (rows, with a `crashed` row already for every rollout
     that cannot be verified; prepared items by index; indices by verifier name)."""
     rows: list[dict | None] = [None] * len(items)
@@ -190,14 +223,15 @@ def _route(items: list[Mapping], tasks: Mapping[str, Any]):
     for i, raw in enumerate(items):
         truth = tasks.get(raw["task_id"])
         if truth is None:
-            rows[i] = _row(raw, "none", "", Verification.failed(Outcome.CRASHED, f"no ground truth for task {raw['task_id']!r}"))
+            rows[i] = _row(raw, "none", "", Verification.failed(Outcome.CRASHED, f"no ground truth for task {raw['task_id']!r}"),
+                           isolation)
             continue
         try:
             record = task_record(truth)
             name = verifier_name_for(record)
             get_verifier(name)
         except (UnknownVerifier, TypeError) as e:
-            rows[i] = _row(raw, "none", "", Verification.failed(Outcome.CRASHED, str(e)))
+            rows[i] = _row(raw, "none", "", Verification.failed(Outcome.CRASHED, str(e)), isolation)
             continue
         prepared[i] = VerifyItem.from_rollout(raw, record)
         by_verifier[name].append(i)
@@ -264,6 +298,9 @@ def score_cycle(
     rollouts = read_table(source, ROLLOUTS)
     truth = tasks if tasks is not None else load_ground_truth(data_dir)
     report = verify_rollouts(rollouts, truth, sandbox=sandbox, workers=workers)
+    bound = table_hash(rollouts)  # the learner checks the rewards were computed for this very table
+    for row in report.rows:
+        row["rollouts_hash"] = bound
     target = rewards_path(data_dir, cycle)
     table = write_table(report.rows, REWARDS, target)
     return report, target, table

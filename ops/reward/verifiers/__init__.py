@@ -85,14 +85,15 @@ class Verification:
     details: dict = field(default_factory=dict)
     flagged: bool = False  # a sandbox violation or a reward-hacking guard fired
     seconds: float = 0.0
+    infra: bool = False  # the verification itself failed (sandbox, uid pool, harness): no reward at all
 
     @classmethod
     def scored(cls, ok: bool, *, details: dict | None = None, flagged: bool = False) -> "Verification":
         return cls(1.0 if ok else 0.0, Outcome.PASS if ok else Outcome.FAIL, details or {}, flagged)
 
     @classmethod
-    def failed(cls, outcome: Outcome, why: str, *, flagged: bool = False, **details) -> "Verification":
-        return cls(0.0, outcome, {"error": why, **details}, flagged)
+    def failed(cls, outcome: Outcome, why: str, *, flagged: bool = False, infra: bool = False, **details) -> "Verification":
+        return cls(0.0, outcome, {"error": why, **details}, flagged, infra=infra)
 
 
 def task_record(task: Mapping[str, Any] | Any) -> dict:

@@ -26,6 +26,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from ops.reward.outcome import is_infra
 from ops.reward.sandbox import Outcome, Sandbox
 from ops.tasks.task_world import MAX_TURNS, PROMPT_PREFIX, RESULT_PREFIX, parse_action
 from ops.reward.verifiers import Verification, VerifyItem, register_verifier
@@ -163,5 +164,5 @@ def _sandbox_failure(result) -> Verification:
     outcome = result.outcome if result.outcome is not Outcome.PASS else Outcome.CRASHED
     return Verification.failed(
         outcome, f"tool re-execution failed in the sandbox: {result.reason}",
-        flagged=outcome is Outcome.SANDBOX_VIOLATION, stderr=result.stderr[-2000:],
+        flagged=outcome is Outcome.SANDBOX_VIOLATION, infra=is_infra(result), stderr=result.stderr[-2000:],
     )
