@@ -42,13 +42,14 @@ def open_cycle_run(uri: str, experiment: str, cycle: int, *, dagster_run_id: str
 def cycle_run_id(context, uri: str, experiment: str, cycle: int) -> str:
     """The parent run a stage of this Dagster run nests under: the launcher's (run tag), else the
     one an earlier stage of the run opened, else a new one."""
-    tagged = context.run.tags.get(PARENT_RUN_TAG)
+    run = context.run
+    tagged = run.tags.get(PARENT_RUN_TAG)
     if tagged:
         return tagged
-    found = find_cycle_run(uri, experiment, context.run_id, cycle)
+    found = find_cycle_run(uri, experiment, run.run_id, cycle)
     if found:
         return found
-    return open_cycle_run(uri, experiment, cycle, dagster_run_id=context.run_id)
+    return open_cycle_run(uri, experiment, cycle, dagster_run_id=run.run_id)
 
 
 def find_cycle_run(uri: str, experiment: str, dagster_run_id: str, cycle: int | None = None) -> str | None:
