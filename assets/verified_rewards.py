@@ -4,7 +4,15 @@ Reads `data/rollouts/cycle=N.parquet` (ops.common.tables.ROLLOUTS) and the groun
 training tasks, writes `data/verified_rewards/cycle=N.parquet` (ops.common.tables.REWARDS; the columns
 are documented in ops/reward/scoring.py). The code version carries every verifier's version, so
 bumping a verifier marks the stored rewards stale; `perpetua rescore` re-scores them.
+
+Two blocking checks stop the run before the learner: `rewards_sandboxed` (every reward was
+produced inside bubblewrap: rewards produced with PERPETUA_UNSAFE_NO_SANDBOX=1 never train or
+deploy a policy) and `rewards_flagged_rate` (the share of rewards a reward-hacking guard or a
+sandbox violation flagged is at most PERPETUA_MAX_FLAGGED_RATE, default 0.5).
 """
+
+import os
+
 
 # No `from __future__ import annotations`: Dagster reads the config annotation at decoration time.
 import dagster as dg
@@ -14,11 +22,13 @@ from assets.cycle import cycle_of
 from assets.metering import cost_metadata, metered
 
 from ops.common.paths import home
-from ops.common.tables import table_hash
+from ops.common.tables import REWARDS, read_table, table_hash
 from ops.reward.verifiers import verifier_versions
-from ops.reward.scoring import NothingToScore, score_cycle, stored_cycles
+from ops.reward.scoring import NothingToScore, rewards_path, score_cycle, stored_cycles
 
-ASSET_VERSION = "1"  # bump when this asset's own logic changes
+DEFAULT_MAX_FLAGGED_RATE = 0.5
+
+ASSET_VERSION = "2"  # bump when this asset's own logic changes
 CODE_VERSION = f"verified_rewards-{ASSET_VERSION}+" + ",".join(f"{n}={v}" for n, v in verifier_versions().items())
 MAX_GROUPS_IN_METADATA = 2000
 
@@ -49,7 +59,12 @@ def verified_rewards(context: dg.AssetExecutionContext, config: VerifiedRewardsC
     groups = {k: {"n": s.n, "mean": round(s.mean, 6), "std": round(s.std, 6), "all_equal": s.all_equal}
               for k, s in list(stats.items())[:MAX_GROUPS_IN_METADATA]}
     context.log.info(f"cycle {cycle}: {summary['rollouts']} rollouts, mean reward {summary['mean_reward']:.3f}, "
-                     f"{summary['verifications_per_second']:.1f} verifications/s ({report.isolation})")
+                     f"{summary['verifications_per_second']:.1f} verifications/s ({report.isolation}), "
+                     f"{summary['flagged']} flagged, {summary['infra_failures']} infrastructure failures "
+                     f"({summary['infra_retried']} retried)")
+    if report.unsandboxed:
+        context.log.error("UNSAFE: these rewards were produced WITHOUT the sandbox (PERPETUA_UNSAFE_NO_SANDBOX=1); "
+                          "the check rewards_sandboxed refuses the cycle")
     metadata = {
         "cycle": cycle,
         "path": dg.MetadataValue.path(str(path)),
@@ -60,6 +75,10 @@ def verified_rewards(context: dg.AssetExecutionContext, config: VerifiedRewardsC
         "workers": summary["workers"],
         "sandbox_isolation": report.isolation,
         "flagged": summary["flagged"],
+        "flagged_rate": dg.MetadataValue.float(summary["flagged_rate"]),
+        "infra_failures": summary["infra_failures"],
+        "infra_retried": summary["infra_retried"],
+        "unsandboxed": summary["unsandboxed"],
         "rejected": summary["rejected"],
         "verifier_versions": dg.MetadataValue.json(verifier_versions()),
         "outcome_share": dg.MetadataValue.json(summary["outcome_share"]),
@@ -71,3 +90,46 @@ def verified_rewards(context: dg.AssetExecutionContext, config: VerifiedRewardsC
     metadata.update({f"share_{k.replace('-', '_')}": dg.MetadataValue.float(v) for k, v in summary["outcome_share"].items()})
     metadata.update(cost_metadata(meter))
     return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(table_hash(table)))
+
+
+def _cycle_rewards(context) -> tuple[int, list[dict]]:
+    cycle = cycle_of(context, upstream="verified_rewards", stored=lambda: stored_cycles(home().data, "verified_rewards"))
+    table = read_table(rewards_path(home().data, cycle), REWARDS)
+    return cycle, table.select(["isolation", "flagged"]).to_pylist()
+
+
+def max_flagged_rate() -> float:
+    raw = os.environ.get("PERPETUA_MAX_FLAGGED_RATE", "")
+    try:
+        return float(raw) if raw.strip() else DEFAULT_MAX_FLAGGED_RATE
+    except ValueError:
+        raise dg.Failure(f"PERPETUA_MAX_FLAGGED_RATE must be a number, got {raw!r}") from None
+
+
+@dg.asset_check(asset=verified_rewards, blocking=True,
+                description="Every reward was produced inside the bubblewrap sandbox; rewards produced with "
+                            "PERPETUA_UNSAFE_NO_SANDBOX=1 stop the cycle before the learner.")
+def rewards_sandboxed(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+    cycle, rows = _cycle_rewards(context)
+    unsafe = sum(1 for r in rows if r["isolation"] != "bwrap")
+    return dg.AssetCheckResult(
+        passed=unsafe == 0, severity=dg.AssetCheckSeverity.ERROR,
+        metadata={"cycle": cycle, "rows": len(rows), "unsandboxed_rows": unsafe,
+                  "reason": "all rewards sandboxed" if unsafe == 0 else
+                  f"{unsafe} of {len(rows)} rewards were produced without the sandbox (or with unknown isolation); "
+                  "install bubblewrap and rescore (perpetua rescore)"},
+    )
+
+
+@dg.asset_check(asset=verified_rewards, blocking=True,
+                description="The share of flagged rewards (reward-hacking guards, sandbox violations) is at most "
+                            "PERPETUA_MAX_FLAGGED_RATE (default 0.5).")
+def rewards_flagged_rate(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+    cycle, rows = _cycle_rewards(context)
+    flagged = sum(bool(r["flagged"]) for r in rows)
+    rate, limit = flagged / max(1, len(rows)), max_flagged_rate()
+    return dg.AssetCheckResult(
+        passed=rate <= limit, severity=dg.AssetCheckSeverity.ERROR,
+        metadata={"cycle": cycle, "flagged": flagged, "rows": len(rows),
+                  "flagged_rate": dg.MetadataValue.float(rate), "max_flagged_rate": dg.MetadataValue.float(limit)},
+    )

@@ -361,3 +361,32 @@ def test_stored_rewards_name_the_rollouts_table_they_scored(perpetua_home, sb):
     _, path, _ = score_cycle(perpetua_home / "data", 4, sandbox=sb)
     scored = table_hash(read_table(rollouts_path(perpetua_home / "data", 4), ROLLOUTS))
     assert set(read_table(path, REWARDS).column("rollouts_hash").to_pylist()) == {scored}
+
+
+def _check_results(perpetua_home, monkeypatch, **env) -> dict:
+    import dagster as dg
+
+    import assets.verified_rewards as asset_mod
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([asset_mod.verified_rewards, asset_mod.rewards_sandboxed, asset_mod.rewards_flagged_rate],
+                                instance=instance, raise_on_error=False)
+        md = result.asset_materializations_for_node("verified_rewards")[0].metadata
+        return {e.check_name: e.passed for e in result.get_asset_check_evaluations()} | {
+            "unsandboxed": md["unsandboxed"].value, "flagged_rate": md["flagged_rate"].value}
+
+
+def test_blocking_checks_refuse_unsandboxed_rewards_and_a_high_flagged_rate(perpetua_home, monkeypatch):
+    _store_cycle(perpetua_home, 2)  # 5 of 15 episodes tamper with tool output: flagged
+    ok = _check_results(perpetua_home, monkeypatch)
+    assert ok == {"rewards_sandboxed": True, "rewards_flagged_rate": True, "unsandboxed": False,
+                  "flagged_rate": pytest.approx(1 / 3)}
+    strict = _check_results(perpetua_home, monkeypatch, PERPETUA_MAX_FLAGGED_RATE="0.2")
+    assert strict["rewards_flagged_rate"] is False
+    unsafe = _check_results(perpetua_home, monkeypatch, PERPETUA_UNSAFE_NO_SANDBOX="1", PERPETUA_SANDBOX="rlimits",
+                            PERPETUA_MAX_FLAGGED_RATE="0.5")
+    assert unsafe["unsandboxed"] is True and unsafe["rewards_sandboxed"] is False
+    table = read_table(perpetua_home / "data" / "verified_rewards" / "cycle=2.parquet", REWARDS)
+    assert set(table.column("isolation").to_pylist()) == {"rlimits"}
