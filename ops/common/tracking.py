@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from ops.common.paths import Home, home
-from ops.cost.accounting import Campaign, CycleCost, CycleRecord
+from ops.cost.accounting import Campaign, CycleCost, CycleRecord, cycle_metrics
 
 DEFAULT_UI_URL = "http://127.0.0.1:5000"  # where ops.serving.mlflow_server serves the local store
 ENV_TRACKING_URI = "MLFLOW_TRACKING_URI"
@@ -365,29 +365,11 @@ def log_cycle_metrics(
     cost: CycleCost | None = None,
 ) -> dict[str, float]:
     """Log a cycle's scores, cost and intelligence per dollar at step = cycle, with the inputs
-    needed to recompute them. `campaign` must already contain `record`. Returns what was logged."""
-    if not campaign.records or campaign.records[-1] != record:
+    needed to recompute them (ops/cost/accounting.py:cycle_metrics). `campaign` must already contain
+    `record`. Returns what was logged."""
+    if record not in campaign.records:
         raise TrackingError(f"cycle {record.cycle}: add the record to the campaign before logging it")
-    metrics = {
-        "champion_score": record.champion_score,
-        "candidate_score": record.candidate_score,
-        "gain": record.candidate_score - record.champion_score,
-        "deployed": 1.0 if record.deployed else 0.0,
-        "cost_usd": record.dollars,
-        "intelligence_per_dollar": record.ipd,
-        "campaign_cost_usd": campaign.total_dollars,
-        "campaign_first_champion_score": campaign.first_champion_score,
-        "campaign_champion_score": campaign.champion_score,
-        "cumulative_intelligence_per_dollar": campaign.cumulative_ipd(),
-    }
-    for prefix, ci in (("champion", record.champion_ci), ("candidate", record.candidate_ci)):
-        if ci is not None:
-            metrics[f"{prefix}_ci_lo"], metrics[f"{prefix}_ci_hi"] = ci
-    if cost is not None:
-        metrics.update(
-            {"cost_usd_cpu": cost.cpu_dollars, "cost_usd_gpu": cost.gpu_dollars, "cost_usd_api": cost.api_dollars}
-        )
-        metrics.update({f"cost_usd_stage.{stage}": d for stage, d in cost.by_stage.items()})
+    metrics = cycle_metrics(record, campaign, cost)
     log = RunLog(tracking_uri, run_id)
     log.log_metrics(metrics, step=record.cycle)
     if record.eval_set_hash:
