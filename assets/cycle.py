@@ -18,6 +18,9 @@ import dagster as dg
 CYCLE_TAG = "perpetua/cycle"
 TRIGGER_TAG = "perpetua/trigger"  # what launched a cycle run: the sensor's name, or "demo"
 CYCLE_JOB = "perpetua_cycle"
+# Carried by every run of the cycle job (a tag of the job); the instance's run queue admits one
+# run with it at a time (pipelines/instance.py), so cycles never overlap.
+CYCLE_LOCK_TAG = "perpetua/cycle-lock"
 
 
 def cycle_of(context, explicit: int | None = None, upstream: str | None = None,

@@ -4,7 +4,10 @@ It starts what it needs (the MLflow server; the production vLLM server serving t
 bootstraps the base policy (cached by the asset itself), deploys it as the first champion, then
 for each cycle lets production traffic run and drift (the simulator writes traces to the
 landing zone) and runs the `perpetua_cycle` job exactly as the retraining sensor would: same
-job, a `perpetua/cycle` tag, the cycle's MLflow parent run as a tag. Cycles are numbered after
+job, a `perpetua/cycle` tag, the cycle's MLflow parent run as a tag. It executes each cycle in
+its own process (`execute_in_process`), which does not pass through the instance's run queue;
+the demo is one process and runs its cycles one after the other, and while one runs the
+retraining sensor sees it in progress and requests no other (pipelines/instance.py). Cycles are numbered after
 the ones already in the Dagster instance, and harvesting is incremental, so an interrupted demo
 can be run again without losing or duplicating anything. What it started, it stops. Last, it
 switches the retraining sensor and the schedules on in the instance (pipelines/automation.py),
@@ -25,6 +28,7 @@ from typing import Callable
 from assets.cycle import CYCLE_JOB, CYCLE_TAG, TRIGGER_TAG
 from assets import cycle_run
 from assets.cycle_run import cycle_outcome
+from pipelines.instance import prepare_dagster_home
 from ops.policy import versions as policies
 from ops.deploy import registry
 from ops.tasks import task_world
@@ -49,14 +53,6 @@ QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
 
 def job_run_config(settings: DemoConfig, job: str) -> dict:
     return {**QUIET_LOGS, **settings.run_config.get(job, {})}
-
-
-def prepare_dagster_home(h: Home) -> None:
-    os.environ["DAGSTER_HOME"] = str(h.dagster)
-    h.dagster.mkdir(parents=True, exist_ok=True)
-    yaml = h.dagster / "dagster.yaml"
-    if not yaml.exists():
-        yaml.write_text("telemetry:\n  enabled: false\n")
 
 
 def previous_cycles(instance) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from assets.cycle import CYCLE_JOB
+from assets.cycle import CYCLE_JOB, CYCLE_LOCK_TAG
 
 # name -> (asset keys, description)
 JOB_ASSETS: dict[str, tuple[list[str], str]] = {
@@ -21,10 +21,15 @@ JOB_ASSETS: dict[str, tuple[list[str], str]] = {
 }
 
 
+# Tags every run of a job carries, whoever launches it (sensor, schedule, UI, in process).
+# The cycle lock: the instance's run queue runs one cycle at a time (pipelines/instance.py).
+JOB_TAGS: dict[str, dict[str, str]] = {CYCLE_JOB: {CYCLE_LOCK_TAG: "1"}}
+
+
 def build_jobs(present: set[str]) -> list:
     """Asset jobs whose assets are all defined in this code location."""
     return [
-        dg.define_asset_job(name, selection=dg.AssetSelection.assets(*keys), description=desc)
+        dg.define_asset_job(name, selection=dg.AssetSelection.assets(*keys), description=desc, tags=JOB_TAGS.get(name))
         for name, (keys, desc) in JOB_ASSETS.items()
         if set(keys) <= present
     ]

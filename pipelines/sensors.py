@@ -7,9 +7,14 @@ arrived since its last run request it requests a run of the cycle job, with a ru
 the request number and the landing listing it saw: a tick that is evaluated twice from the
 same cursor asks for the same run key, and Dagster starts one run per key.
 
+One cycle at a time: while a run of the cycle job is queued or in progress the sensor requests
+nothing and says so (it keeps counting; the failures that arrive meanwhile trigger the next cycle
+once that run is over). The instance's run queue enforces the same limit for runs launched any
+other way (pipelines/instance.py). A threshold below 1 is refused with a one-line error.
+
 The job `perpetua_cycle` is referenced by name here. A requested run carries
 the `perpetua/cycle` tag (the next cycle number, counted from the instance's cycle runs), which
-`assets.cycle.cycle_of` reads.
+`assets.cycle.cycle_of` reads, and the cycle-lock tag the run queue limits.
 """
 
 from __future__ import annotations
@@ -22,13 +27,39 @@ from pathlib import Path
 
 import dagster as dg
 
-from assets.cycle import CYCLE_JOB, CYCLE_TAG, TRIGGER_TAG
+from assets.cycle import CYCLE_JOB, CYCLE_LOCK_TAG, CYCLE_TAG, TRIGGER_TAG
 from assets.cycle_run import close_dagster_run
 from ops.harvest.landing import estimate_new_failures
 from ops.common.paths import home
 from assets.resources import MlflowTracking
 
 DEFAULT_THRESHOLD = 32
+THRESHOLD_ENV = "PERPETUA_RETRAIN_THRESHOLD"
+# A cycle run in one of these states holds the loop: no other cycle is requested meanwhile.
+IN_PROGRESS = [
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+    dg.DagsterRunStatus.CANCELING,
+]
+
+
+class ThresholdError(ValueError):
+    """The retraining threshold is not a whole number of at least 1."""
+
+
+def retrain_threshold(threshold: int | None = None) -> int:
+    """`threshold`, else env PERPETUA_RETRAIN_THRESHOLD, else 32; at least 1."""
+    raw = threshold if threshold is not None else os.environ.get(THRESHOLD_ENV, DEFAULT_THRESHOLD)
+    where = "the retraining threshold" if threshold is not None else THRESHOLD_ENV
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise ThresholdError(f"{where} must be a whole number of failures >= 1, got {raw!r}") from None
+    if value < 1:
+        raise ThresholdError(f"{where} must be a whole number of failures >= 1, got {raw!r}")
+    return value
 
 
 def _cursor(raw: str | None) -> dict:
@@ -45,7 +76,9 @@ def make_retraining_sensor(
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
 ) -> dg.SensorDefinition:
     """A sensor requesting `job_name` once `threshold` new failures have landed (default: env
-    PERPETUA_RETRAIN_THRESHOLD, else 32). `landing` is resolved at each tick."""
+    PERPETUA_RETRAIN_THRESHOLD, else 32; read at each tick). `landing` is resolved at each tick."""
+    if threshold is not None:
+        retrain_threshold(threshold)  # a bad threshold is refused when the sensor is defined
 
     @dg.sensor(
         name=name,
@@ -55,7 +88,7 @@ def make_retraining_sensor(
         description=f"Requests {job_name} when enough new production failures have landed.",
     )
     def _sensor(context: dg.SensorEvaluationContext):
-        need = threshold if threshold is not None else int(os.environ.get("PERPETUA_RETRAIN_THRESHOLD", DEFAULT_THRESHOLD))
+        need = retrain_threshold(threshold)
         state = _cursor(context.cursor)
         new, files = estimate_new_failures(landing(), state["files"])
         pending = state["pending"] + new
@@ -66,14 +99,36 @@ def make_retraining_sensor(
         requests = state["requests"] + 1
         listing = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:12]
         run_key = f"retrain-{requests}-{listing}"
+        busy = _cycle_in_progress(context, job_name)
+        # A run of this very request (a tick evaluated again after its cursor was lost) is not
+        # another cycle: the request is repeated below and Dagster keeps the one run of its key.
+        if busy is not None and busy.tags.get(RUN_KEY_TAG) != run_key:
+            cursor = json.dumps({**state, "files": files, "pending": pending}, sort_keys=True)
+            return dg.SensorResult(
+                skip_reason=f"{pending} new failures (threshold {need}), but cycle run {busy.run_id} is "
+                            f"{busy.status.value.lower()}: one cycle at a time, the next is requested after it",
+                cursor=cursor)
         cursor = json.dumps({"files": files, "pending": 0, "requests": requests, "last_run_key": run_key}, sort_keys=True)
-        tags = {TRIGGER_TAG: name, "perpetua/new_failures": str(pending)}
+        tags = {TRIGGER_TAG: name, "perpetua/new_failures": str(pending), CYCLE_LOCK_TAG: "1"}
         cycle = _next_cycle(context, job_name)
         if cycle is not None:
             tags[CYCLE_TAG] = str(cycle)
         return dg.SensorResult(run_requests=[dg.RunRequest(run_key=run_key, tags=tags)], cursor=cursor)
 
     return _sensor
+
+
+RUN_KEY_TAG = "dagster/run_key"  # the tag Dagster puts a run request's run key under
+
+
+def _cycle_in_progress(context: dg.SensorEvaluationContext, job_name: str) -> dg.DagsterRun | None:
+    """The oldest run of `job_name` that is queued or in progress, if any."""
+    try:
+        instance = context.instance
+    except dg.DagsterInvariantViolationError:  # evaluated without an instance (unit tests)
+        return None
+    runs = instance.get_runs(dg.RunsFilter(job_name=job_name, statuses=IN_PROGRESS))
+    return runs[-1] if runs else None
 
 
 def _next_cycle(context: dg.SensorEvaluationContext, job_name: str) -> int | None:

@@ -205,3 +205,93 @@ def test_a_launched_cycle_run_is_closed_once_whatever_happens(tmp_path):
         pass  # never finished: not left RUNNING
     ended["unfinished"] = c.get_run(unfinished.run_id).info.status
     assert ended == {"interrupted": "KILLED", "broken": "FAILED", "unfinished": "FAILED"}
+
+
+# ---- one cycle at a time ---------------------------------------------------------------------
+
+
+def _add_cycle_run(instance, run_id: str, status: dg.DagsterRunStatus, **tags) -> dg.DagsterRun:
+    return instance.add_run(dg.DagsterRun(job_name="perpetua_cycle", run_id=run_id, status=status, tags=tags))
+
+
+@pytest.mark.parametrize("status", [dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTED])
+def test_no_cycle_is_requested_while_one_is_pending_or_running(perpetua_home, status):
+    sensor = make_retraining_sensor(threshold=5)
+    write_traces(records(0, 8), home().landing)
+    with dg.instance_for_test() as instance:
+        busy = _add_cycle_run(instance, "busy-run", status)
+        held = sensor(dg.build_sensor_context(instance=instance, cursor=None))
+        assert held.run_requests == []
+        message = held.skip_reason.skip_message
+        assert "8 new failures" in message and "busy-run" in message and status.value.lower() in message
+        assert json.loads(held.cursor)["pending"] == 8  # counted, not lost
+
+        write_traces(records(8, 2), home().landing)  # more arrive while the cycle runs
+        still = sensor(dg.build_sensor_context(instance=instance, cursor=held.cursor))
+        assert still.run_requests == [] and json.loads(still.cursor)["pending"] == 10
+
+        instance.report_run_failed(instance.get_run_by_id(busy.run_id))  # the cycle is over
+        after = sensor(dg.build_sensor_context(instance=instance, cursor=still.cursor))
+    assert len(after.run_requests) == 1
+    request = after.run_requests[0]
+    assert request.tags["perpetua/new_failures"] == "10" and request.tags["perpetua/cycle-lock"] == "1"
+
+
+def test_a_run_of_the_same_request_is_not_another_cycle(perpetua_home):
+    """A tick evaluated again after its cursor was lost, while the run it requested is queued:
+    the same request again (Dagster keeps one run per run key), not a skip."""
+    sensor = make_retraining_sensor(threshold=5)
+    write_traces(records(0, 8), home().landing)
+    with dg.instance_for_test() as instance:
+        first = sensor(dg.build_sensor_context(instance=instance, cursor=None))
+        key = first.run_requests[0].run_key
+        _add_cycle_run(instance, "requested", dg.DagsterRunStatus.NOT_STARTED, **{"dagster/run_key": key})
+        again = sensor(dg.build_sensor_context(instance=instance, cursor=None))
+    assert [r.run_key for r in again.run_requests] == [key]
+
+
+@pytest.mark.parametrize("raw", ["0", "-3", "many", "2.5"])
+def test_a_threshold_below_one_is_a_clear_error(perpetua_home, monkeypatch, raw):
+    from pipelines.sensors import ThresholdError
+
+    monkeypatch.setenv("PERPETUA_RETRAIN_THRESHOLD", raw)
+    with pytest.raises(ThresholdError, match=r"PERPETUA_RETRAIN_THRESHOLD must be a whole number of failures >= 1, got '") as e:
+        tick(make_retraining_sensor(), None)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ThresholdError, match="retraining threshold must be"):
+        make_retraining_sensor(threshold=0)
+
+
+def test_every_cycle_run_carries_the_cycle_lock():
+    from pipelines.definitions import defs
+
+    assert defs.resolve_job_def("perpetua_cycle").run_tags["perpetua/cycle-lock"] == "1"
+    assert "perpetua/cycle-lock" not in defs.resolve_job_def("harvest").run_tags
+
+
+def test_the_instance_queues_one_cycle_at_a_time_and_retries_crashed_runs(tmp_path):
+    from dagster._core.run_coordinator import QueuedRunCoordinator
+
+    from pipelines.instance import INSTANCE_YAML, write_instance_yaml
+
+    path = write_instance_yaml(tmp_path / "dagster")
+    assert path.read_text() == INSTANCE_YAML
+    with dg.DagsterInstance.from_config(str(tmp_path / "dagster")) as instance:
+        assert isinstance(instance.run_coordinator, QueuedRunCoordinator)
+        limits = instance.run_coordinator.get_run_queue_config().tag_concurrency_limits
+        assert {"key": "perpetua/cycle-lock", "value": "1", "limit": 1} in limits
+        assert instance.run_retries_enabled and instance.run_retries_max_retries == 1
+        assert not instance.run_retries_retry_on_asset_or_op_failure  # a blocked gate is not retried
+
+
+def test_an_edited_instance_yaml_is_kept_and_an_old_project_one_upgraded(tmp_path):
+    from pipelines.instance import INSTANCE_YAML, write_instance_yaml
+
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
+    assert write_instance_yaml(old).read_text() == INSTANCE_YAML
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    (edited / "dagster.yaml").write_text("telemetry:\n  enabled: true\n")
+    assert write_instance_yaml(edited).read_text() == "telemetry:\n  enabled: true\n"

@@ -10,7 +10,6 @@ counts. Observing the source in the same run is why this executes the job rather
 from __future__ import annotations
 
 import argparse
-import os
 
 from pipelines.cli import UserError, print_json
 
@@ -34,11 +33,9 @@ def dagster_instance():
 
     from ops.common.paths import home
 
-    h = home().ensure()
-    os.environ["DAGSTER_HOME"] = str(h.dagster)
-    yaml = h.dagster / "dagster.yaml"
-    if not yaml.exists():
-        yaml.write_text("")
+    from pipelines.instance import prepare_dagster_home
+
+    prepare_dagster_home(home().ensure())
     return DagsterInstance.get()
 
 
