@@ -8,23 +8,32 @@ One verification, in one sandbox work directory:
 1. copy the snapshot in (without .git and caches);
 2. `git apply` the patch inside the sandbox (a patch that does not apply scores 0);
 3. on the host, with no sandboxed process alive: refuse symlinks that lead out of the
-   repository, then put the test harness back as it was. Every test file (test_*.py,
-   *_test.py, conftest.py, anything under tests/ or test/, the files the node ids name) and
-   every pytest configuration file (pytest.ini, tox.ini, setup.cfg, pyproject.toml) that the
-   patch changed or deleted is re-copied from the snapshot, and any it added is removed: edits
-   to the tests are void (SWE-bench resets test files the same way). This fires the
-   `tests_modified` guard;
-4. run only the listed tests: `python -I -m pytest` in the sandbox, with plugin autoload off
-   (no third-party plugin runs), the repository put on sys.path by pytest's `pythonpath`
-   option rather than by the current directory (so a `pytest.py` in the patch cannot shadow
-   pytest), and a JUnit XML report whose testcases are matched to the node ids exactly;
-5. reward 1 iff pytest exited 0 and every listed test has a passing testcase; a listed test
-   missing from the report counts as failed.
+   repository and new start-up hooks (a conftest.py, sitecustomize.py, usercustomize.py or
+   *.pth the snapshot does not have: `startup_hook`), then put the test harness back as it was.
+   Every test file (test_*.py, *_test.py, conftest.py, anything under tests/ or test/, the files
+   the node ids name) and every pytest configuration file (pytest.ini, tox.ini, setup.cfg,
+   pyproject.toml) that the patch changed or deleted is re-copied from the snapshot, and any it
+   added is removed (`tests_modified` when one was changed);
+4. run only the listed tests under the harness (`swe_harness.py`): `python -I -S -B`, so no
+   site, .pth, customize module, user site or PYTHON* variable runs, plugin autoload off, the
+   repository put on sys.path by pytest's `pythonpath` option (a `pytest.py` in the patch cannot
+   shadow pytest). Results travel on a pipe the host opened and reads (hash-chained records from
+   a nonce only the harness was given, ending in an `end` record), never through a file in the
+   writable work directory, and neither the exit status nor the output is trusted;
+5. after the run, the protected files are hashed again (`tests_modified_during_run` when the
+   tested code changed them); reward 1 iff no guard fired, the harness's record chain is intact
+   and complete, pytest's own exit status is 0, and every listed test passed.
 
-Guard on the patch text itself (`patch_touches_test_harness`, reward 0): added lines that
-reach into pytest's machinery (`_pytest`, `pytest_runtest_*` and other hook names, `junitxml`).
-The tests run in the same process as the patched code, so code that subverts pytest from the
-inside is beyond what reading a report can catch; the guards above close the common doors.
+Guards on the patch text itself (reward 0, flagged): added lines that reach into pytest's
+machinery (`patch_touches_test_harness`: `_pytest`, hook names, junitxml), around the harness
+(`patch_escapes_harness`: os._exit, atexit, replacing sys.exit, /proc/self, raw descriptors,
+builtins, tracing hooks, gc walks), or look for the expected results (`patch_reads_task`).
+Outcomes the design makes suspicious are flagged as well: a harness cut short, a forged record,
+a timeout or a resource limit. The tests run in the same process as the patched code, so code
+determined to subvert pytest from inside (and to read the nonce out of the harness's memory)
+is beyond what any report can catch; the guards and the chained channel close the known doors.
+A sandbox that failed to start, or a patch that could not be applied in time, is an
+infrastructure failure (`infra`), not a reward.
 """
 
 from __future__ import annotations
@@ -37,21 +46,31 @@ import secrets
 import shutil
 import stat
 import sys
-import xml.etree.ElementTree as ET
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path, PurePosixPath
 
+from ops.reward.outcome import is_infra
 from ops.reward.sandbox import Limits, Outcome, Sandbox, Workspace
 from ops.reward.verifiers import Verification, VerifyItem, register_verifier
 
-VERSION = "1"
+VERSION = "2"
 
 CONFIG_FILES = {"pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "conftest.py"}
 TEST_DIRS = {"tests", "test", "testing"}
 _SKIP = {".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
-_HARNESS = re.compile(r"_pytest|pytest_(runtest|collect|configure|sessionfinish|sessionstart|report|unconfigure|load_initial)|junitxml|junit_xml")
+_HARNESS = re.compile(r"_pytest|pytest_(runtest|collect|configure|sessionfinish|sessionstart|report|unconfigure|load_initial|plugins)|junitxml|junit_xml|swe_harness|PYTEST_")
+# control flow around the harness: leaving the process early, exit hooks, foreign descriptors
+_ESCAPE = re.compile(r"\bos\._exit\b|\batexit\b|\bsys\.exit\s*=|/proc/self|/proc/\d|\bos\.(write|dup2?|fdopen)\s*\(\s*\d|sys\.modules\[.(os|sys|pytest).\]|\bbuiltins\b|sys\.settrace|sys\.setprofile|\bgc\.get_(objects|referrers)\b|PYTHONSTARTUP|sitecustomize|usercustomize")
+# looking for the expected results instead of computing them: the task record, the verifier's env
+_READS_TASK = re.compile(r"task\.json|fail_to_pass|pass_to_pass|FAIL_TO_PASS|PASS_TO_PASS|PERPETUA_|expected_answer|ground_truth")
+_TEXT_GUARDS = (("patch_touches_test_harness", _HARNESS), ("patch_escapes_harness", _ESCAPE), ("patch_reads_task", _READS_TASK))
+_GUARD_WHY = {"patch_touches_test_harness": "patch reaches into the test harness",
+              "patch_escapes_harness": "patch reaches around the harness (early exit, exit hooks, descriptors, interpreter hooks)",
+              "patch_reads_task": "patch looks for the task's expected results"}
+_STARTUP_FILES = {"conftest.py", "sitecustomize.py", "usercustomize.py"}
 _MAX_REPORT_BYTES = 32 << 20
 
 
@@ -119,7 +138,12 @@ def junit_address(node_id: str) -> tuple[str, str]:
 
 
 def harness_lines(patch: str) -> list[str]:
-    return [line for line in patch.splitlines() if line.startswith("+") and not line.startswith("+++") and _HARNESS.search(line)]
+    return patch_lines(patch, _HARNESS)
+
+
+def patch_lines(patch: str, pattern: re.Pattern) -> list[str]:
+    """Added lines of `patch` matching `pattern`."""
+    return [line for line in patch.splitlines() if line.startswith("+") and not line.startswith("+++") and pattern.search(line)]
 
 
 # ---- the verification ------------------------------------------------------------------------
@@ -129,9 +153,9 @@ def verify_patch(task: SweTask, patch: str, sandbox: Sandbox, *, limits: Limits 
     """Score `patch` against `task` (see the module docstring for the steps)."""
     if not patch.strip():
         return Verification.failed(Outcome.FAIL, "empty patch")
-    if lines := harness_lines(patch):
-        return Verification.failed(Outcome.FAIL, "patch reaches into the test harness", flagged=True,
-                                   guards=["patch_touches_test_harness"], lines=lines[:5])
+    for guard, pattern in _TEXT_GUARDS:
+        if lines := patch_lines(patch, pattern):
+            return Verification.failed(Outcome.FAIL, _GUARD_WHY[guard], flagged=True, guards=[guard], lines=lines[:5])
     limits = limits or sandbox.limits.but(wall_seconds=max(sandbox.limits.wall_seconds, 60), cpu_seconds=max(sandbox.limits.cpu_seconds, 60))
     snapshot = _manifest(task.repo)
     node_files = {n.split("::", 1)[0] for n in (*task.fail_to_pass, *task.pass_to_pass)}
@@ -141,6 +165,8 @@ def verify_patch(task: SweTask, patch: str, sandbox: Sandbox, *, limits: Limits 
         ws.write("patch.diff", patch if patch.endswith("\n") else patch + "\n")
         applied = _apply(ws, limits)
         if applied.outcome is not Outcome.PASS:
+            if is_infra(applied) or applied.outcome is Outcome.TIMEOUT:
+                return Verification.failed(Outcome.CRASHED, f"applying the patch failed: {applied.reason}", infra=True)
             outcome = Outcome.FAIL if applied.outcome in (Outcome.FAIL, Outcome.SANDBOX_VIOLATION) else applied.outcome
             return Verification.failed(outcome, "patch does not apply", stderr=applied.stderr[-2000:],
                                        flagged=applied.outcome is Outcome.SANDBOX_VIOLATION)
@@ -148,23 +174,42 @@ def verify_patch(task: SweTask, patch: str, sandbox: Sandbox, *, limits: Limits 
         if escapes:
             return Verification.failed(Outcome.SANDBOX_VIOLATION, "patch creates symlinks that leave the repository",
                                        flagged=True, guards=["symlink_escape"], symlinks=escapes[:10])
+        added = sorted(set(_manifest(repo)) - set(snapshot))
+        if hooks := [rel for rel in added if _is_startup_hook(rel)]:
+            return Verification.failed(Outcome.FAIL, "patch adds files Python or pytest run at start-up", flagged=True,
+                                       guards=["startup_hook"], removed=hooks)
         restored, removed = _restore_harness(task.repo, repo, snapshot, node_files)
-        report = ws.path / f"report-{secrets.token_hex(8)}.xml"
         tests = list(dict.fromkeys((*task.fail_to_pass, *task.pass_to_pass)))
-        run = ws.run(_pytest_argv(report, tests), cwd="repo", limits=limits,
-                     env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONHASHSEED": "0"})
-        statuses = _read_junit(report, ws)
-    guards = ["tests_modified"] if restored or removed else []
-    f2p = {n: statuses.get(junit_address(n), "missing") for n in task.fail_to_pass}
-    p2p = {n: statuses.get(junit_address(n), "missing") for n in task.pass_to_pass}
+        run, channel = _run_tests(ws, tests, limits)
+        after = _manifest(repo)
+        changed = sorted(rel for rel, entry in snapshot.items()
+                         if is_protected(rel, node_files) and after.get(rel) != entry)
+    guards = ["tests_modified"] if restored else []
+    if changed:
+        guards.append("tests_modified_during_run")
+    if channel.forged:
+        guards.append("forged_result_channel")
+    statuses = channel.statuses
+    f2p = {n: statuses.get(n, "missing") for n in task.fail_to_pass}
+    p2p = {n: statuses.get(n, "missing") for n in task.pass_to_pass}
+    if run.outcome in (Outcome.PASS, Outcome.FAIL) and not channel.complete:
+        guards.append("harness_cut_short")  # the process ended on its own before the harness's last record
+    if run.outcome is Outcome.TIMEOUT:
+        guards.append("timeout")
+    if run.outcome is Outcome.RESOURCE_LIMIT:
+        guards.append("resource_limit")
     details = {
-        "fail_to_pass": f2p, "pass_to_pass": p2p, "pytest_exit_code": run.exit_code, "pytest_reason": run.reason,
-        "restored": restored, "removed": removed, "guards": guards, "seconds_pytest": run.seconds,
+        "fail_to_pass": f2p, "pass_to_pass": p2p, "pytest_exit_code": channel.exit_status, "pytest_reason": run.reason,
+        "restored": restored, "removed": removed, "changed_during_run": changed, "guards": guards,
+        "seconds_pytest": run.seconds, "harness_records": channel.records,
     }
+    if is_infra(run):
+        return Verification(0.0, Outcome.CRASHED, {**details, "error": run.reason}, infra=True)
     if run.outcome not in (Outcome.PASS, Outcome.FAIL):
         details["stdout_tail"] = run.stdout[-2000:]
-        return Verification(0.0, run.outcome, details, flagged=bool(guards) or run.outcome is Outcome.SANDBOX_VIOLATION)
-    ok = run.outcome is Outcome.PASS and all(s == "passed" for s in (*f2p.values(), *p2p.values()))
+        return Verification(0.0, run.outcome, details, flagged=True)
+    ok = (not guards and channel.complete and channel.exit_status == 0
+          and all(s == "passed" for s in (*f2p.values(), *p2p.values())))
     if not ok:
         details["stdout_tail"] = run.stdout[-2000:]
     return Verification.scored(ok, details=details, flagged=bool(guards))
@@ -179,11 +224,106 @@ def _apply(ws: Workspace, limits: Limits):
     return ws.run(argv, cwd="repo", limits=short, env={"GIT_CONFIG_NOSYSTEM": "1"})
 
 
-def _pytest_argv(report: Path, tests: Sequence[str]) -> list[str]:
+HARNESS = Path(__file__).resolve().with_name("swe_harness.py")
+# also set for processes the tests start (the harness itself runs with -I -S, which ignores them)
+_TEST_ENV = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONHASHSEED": "0", "PYTHONNOUSERSITE": "1",
+             "PYTHONDONTWRITEBYTECODE": "1", "PYTHONSAFEPATH": "1"}
+
+
+def _harness_argv(tests: Sequence[str]) -> list[str]:
     return [
-        sys.executable, "-I", "-B", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:stepwise",
-        "--rootdir", ".", "-o", "pythonpath=.", "-o", "junit_family=xunit1", "--junitxml", str(report), *tests,
+        sys.executable, "-I", "-S", "-B", str(HARNESS), "-q", "-p", "no:cacheprovider", "-p", "no:stepwise",
+        "-p", "no:junitxml", "--rootdir", ".", "-o", "pythonpath=.", *tests,
     ]
+
+
+def _site_dirs() -> list[str]:
+    """Where pytest and its dependencies are installed (handed to the harness, which runs
+    without `site` and so without any .pth file or customize module)."""
+    import site
+
+    import pytest
+
+    dirs = [str(Path(pytest.__file__).resolve().parents[1]), *site.getsitepackages()]
+    return list(dict.fromkeys(d for d in dirs if Path(d).is_dir()))
+
+
+@dataclass
+class Channel:
+    """What the harness reported on its pipe, checked record by record."""
+
+    statuses: dict[str, str]
+    records: int
+    complete: bool  # the chain ended with the harness's `end` record
+    forged: bool  # a record that is not the harness's (broken chain, bad JSON, data after `end`)
+    exit_status: int | None
+
+
+def _run_tests(ws: Workspace, tests: Sequence[str], limits: Limits):
+    """Run the listed tests under the harness; (sandbox result, Channel)."""
+    r, w = os.pipe()
+    nonce = secrets.token_hex(16)
+    data = bytearray()
+    reader = threading.Thread(target=_drain, args=(r, data), daemon=True)
+    reader.start()
+    stdin = json.dumps({"fd": w, "nonce": nonce, "sys_path": _site_dirs()}) + "\n"
+    try:
+        run = ws.run(_harness_argv(tests), cwd="repo", limits=limits, env=_TEST_ENV, stdin=stdin, pass_fds=(w,))
+    finally:
+        os.close(w)
+        reader.join(timeout=10)
+        if not reader.is_alive():
+            os.close(r)
+    return run, parse_channel(bytes(data), nonce)
+
+
+def _drain(fd: int, out: bytearray) -> None:
+    while chunk := os.read(fd, 65536):
+        if len(out) < _MAX_REPORT_BYTES:
+            out.extend(chunk)
+
+
+def parse_channel(data: bytes, nonce: str) -> Channel:
+    """Verify the hash chain of the harness's records and fold the phases into one status per
+    test: passed only when its call passed and neither setup nor teardown failed."""
+    h = hashlib.sha256(nonce.encode()).hexdigest()
+    phases: dict[str, dict[str, str]] = {}
+    records, complete, forged, exit_status = 0, False, False, None
+    for line in data.decode(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+            claimed = rec.pop("h")
+        except (json.JSONDecodeError, AttributeError, KeyError, TypeError):
+            forged = True
+            break
+        h = hashlib.sha256((h + json.dumps(rec, sort_keys=True)).encode()).hexdigest()
+        if claimed != h or complete:
+            forged = True
+            break
+        if "end" in rec:
+            complete, exit_status = rec.get("count") == records, rec["end"]
+            forged = forged or not complete
+            continue
+        records += 1
+        phases.setdefault(str(rec.get("node")), {})[str(rec.get("when"))] = str(rec.get("outcome"))
+    if forged:
+        return Channel({}, records, False, True, None)
+    statuses = {}
+    for node, ph in phases.items():
+        if ph.get("setup") == "failed" or ph.get("teardown") == "failed":
+            statuses[node] = "error"
+        elif ph.get("call") == "passed" and ph.get("setup") == "passed":
+            statuses[node] = "passed"
+        elif ph.get("call") == "failed":
+            statuses[node] = "failed"
+        else:
+            statuses[node] = "skipped"
+    return Channel(statuses, records, complete, False, exit_status)
+
+
+def _is_startup_hook(rel: str) -> bool:
+    name = PurePosixPath(rel).name
+    return name in _STARTUP_FILES or name.endswith(".pth")
 
 
 def _manifest(root: Path) -> dict[str, tuple[int, str]]:
@@ -246,36 +386,6 @@ def _safe_copy(source: Path, repo: Path, rel: str) -> None:
         os.symlink(os.readlink(source), target)
     else:
         shutil.copy2(source, target, follow_symlinks=False)
-
-
-def _read_junit(report: Path, ws: Workspace) -> dict[tuple[str, str], str]:
-    """(classname, name) -> passed | failed | error | skipped, from a report the sandboxed
-    process wrote: opened without following links, size-bounded, parsed defensively."""
-    try:
-        fd = os.open(report, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return {}
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_REPORT_BYTES:
-            return {}
-        data = f.read()
-    try:
-        root = ET.fromstring(data)
-    except ET.ParseError:
-        return {}
-    statuses: dict[tuple[str, str], str] = {}
-    rank = {"passed": 0, "skipped": 1, "failed": 2, "error": 3}
-    for case in root.iter("testcase"):
-        key = (case.get("classname", ""), case.get("name", ""))
-        status = "passed"
-        for child in case:
-            if child.tag in ("failure", "error", "skipped"):
-                status = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
-                break
-        if rank[status] >= rank[statuses.get(key, "passed")]:  # a teardown error outranks a pass
-            statuses[key] = status
-    return statuses
 
 
 @register_verifier("swe", VERSION, batch_size=1)
