@@ -25,6 +25,7 @@ COMMANDS = {
     "simulate": "Run the production simulator: traffic against the served champion, traces to landing/.",
     "rescore": "Re-score stored rollouts with the current verifiers, without regenerating them.",
     "stop": "Stop the local vLLM and MLflow servers of this PERPETUA_HOME.",
+    "cluster": "Render and validate offline the Helm values, Dockerfile and manifests for Kubernetes.",
 }
 
 
