@@ -45,6 +45,7 @@ clean:
 # The learner's CUDA path (bf16, megatron's optimizers, NCCL, TE where installed), megatron vs
 # transformers parity and the learner bench on a GPU machine; a dry run of the CPU-safe parts
 # elsewhere. Needs no index: set PERPETUA_WHEELS to a wheel folder (README, GPU cluster section).
+# GPU_CHECK_PYTHON picks the interpreter (default: .venv's, else python3).
 GPU_CHECK_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 .PHONY: gpu-check
 gpu-check:

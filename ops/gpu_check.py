@@ -67,6 +67,8 @@ def _missing() -> list[str]:
 
 def ensure_packages() -> list[str]:
     """Install what is missing from the wheel folder `PERPETUA_WHEELS`, with no index."""
+    if importlib.util.find_spec("torch") is None:
+        raise SetupError(f"torch is not installed for {sys.executable}; the check runs on the machine's own torch")
     missing = _missing()
     if not missing:
         return []

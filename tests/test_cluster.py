@@ -184,3 +184,14 @@ def test_code_location_loads_with_rendered_settings(tmp_path, capsys):
     assert loaded["autostart"] is False
     assert loaded["mlflow"] == "http://perpetua-mlflow.perpetua.svc.cluster.local:5000"
     assert "perpetua_cycle" in loaded["jobs"]
+
+
+def test_cluster_usage_errors_are_one_line(tmp_path, capsys):
+    assert main(["cluster"]) == 2
+    assert capsys.readouterr().err.strip() == "perpetua cluster: say what to do: perpetua cluster render --out DIR [--config FILE]"
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    assert main(["cluster", "render", "--out", str(not_a_dir)]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    assert main(["cluster", "render", "--out", str(tmp_path / "o"), "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
