@@ -195,3 +195,24 @@ def test_cluster_usage_errors_are_one_line(tmp_path, capsys):
     assert "exists and is not a directory" in capsys.readouterr().err
     assert main(["cluster", "render", "--out", str(tmp_path / "o"), "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_chart_values_checks():
+    from ops.cluster.config import ClusterConfig
+    from ops.cluster.render import check_dagster_values, code_location_env, dagster_values
+
+    cfg = ClusterConfig()
+    values = dagster_values(cfg, code_location_env(cfg))
+    assert check_dagster_values(values) == 9
+    typo = json.loads(json.dumps(values))
+    typo["dagster-user-deployments"]["deployments"][0]["envSecret"] = []
+    with pytest.raises(ManifestError, match="keys the chart does not know: envSecret"):
+        check_dagster_values(typo)
+    both = json.loads(json.dumps(values))
+    both["dagster-user-deployments"]["deployments"][0]["dagsterApiGrpcArgs"] = ["-m", "pipelines.definitions"]
+    with pytest.raises(ManifestError, match="one of dagsterApiGrpcArgs or codeServerArgs"):
+        check_dagster_values(both)
+    bad_volume = json.loads(json.dumps(values))
+    bad_volume["runLauncher"]["config"]["k8sRunLauncher"]["volumes"][0]["persistentVolumeClaim"]["claim"] = "x"
+    with pytest.raises(ManifestError, match="unknown field of V1PersistentVolumeClaimVolumeSource"):
+        check_dagster_values(bad_volume)

@@ -282,9 +282,12 @@ def dagster_values(cfg: ClusterConfig, env: dict[str, str]) -> dict:
         "runLauncher": {
             "type": "K8sRunLauncher",
             "config": {"k8sRunLauncher": {
+                "imagePullPolicy": cfg.image.pull_policy,
                 "jobNamespace": cfg.namespace,
                 "loadInclusterConfig": True,
+                "envConfigMaps": [],
                 "envSecrets": secrets,
+                "envVars": [],
                 "volumes": volumes,
                 "volumeMounts": mounts,
             }},
@@ -309,19 +312,55 @@ def dagster_values(cfg: ClusterConfig, env: dict[str, str]) -> dict:
     }
 
 
+# Keys the chart's values schema (helm/dagster/values.schema.json) allows where it forbids others,
+# for the sections rendered here; a key outside them would fail `helm install`.
+CHART_KEYS = {
+    "runLauncher": {"type", "config"},
+    "runLauncher.config.k8sRunLauncher": {
+        "image", "imagePullPolicy", "jobNamespace", "loadInclusterConfig", "kubeconfigFile", "envConfigMaps",
+        "envSecrets", "envVars", "volumeMounts", "volumes", "labels", "failPodOnRunFailure", "resources",
+        "schedulerName", "securityContext", "runK8sConfig"},
+    "dagster-user-deployments": {"enabled", "enableSubchart", "imagePullSecrets", "deployments"},
+    "dagster-user-deployments.deployments[]": {
+        "name", "image", "dagsterApiGrpcArgs", "codeServerArgs", "includeConfigInLaunchedRuns", "deploymentNamespace",
+        "port", "env", "envConfigMaps", "envSecrets", "annotations", "nodeSelector", "affinity", "tolerations",
+        "podSecurityContext", "securityContext", "resources", "livenessProbe", "readinessProbe", "startupProbe",
+        "labels", "volumeMounts", "volumes", "schedulerName", "initContainers", "sidecarContainers"},
+}
+RUN_LAUNCHERS = {"K8sRunLauncher", "CeleryK8sRunLauncher", "CustomRunLauncher"}
+
+
+def _check_keys(section: dict, allowed: set[str], where: str) -> None:
+    unknown = sorted(set(section) - allowed)
+    if unknown:
+        raise ManifestError(f"dagster-values.yaml: {where}: keys the chart does not know: {', '.join(unknown)}")
+
+
 def check_dagster_values(values: dict) -> int:
-    """The Kubernetes fragments inside the chart values; returns how many were checked."""
+    """The chart's keys where its schema is closed, and the Kubernetes fragments inside the values;
+    returns how many fragments were checked."""
     n = 0
+    if values["runLauncher"]["type"] not in RUN_LAUNCHERS:
+        raise ManifestError(f"dagster-values.yaml: runLauncher.type {values['runLauncher']['type']!r} is not a chart launcher")
+    _check_keys(values["runLauncher"], CHART_KEYS["runLauncher"], "runLauncher")
     launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
+    _check_keys(launcher, CHART_KEYS["runLauncher.config.k8sRunLauncher"], "runLauncher.config.k8sRunLauncher")
+    _check_keys(values["dagster-user-deployments"], CHART_KEYS["dagster-user-deployments"], "dagster-user-deployments")
     fragments = [(launcher["volumes"], "List[V1Volume]", "runLauncher.volumes"),
-                 (launcher["volumeMounts"], "List[V1VolumeMount]", "runLauncher.volumeMounts")]
+                 (launcher["volumeMounts"], "List[V1VolumeMount]", "runLauncher.volumeMounts"),
+                 (launcher["envVars"], "List[V1EnvVar]", "runLauncher.envVars"),
+                 (launcher["envSecrets"], "List[V1SecretEnvSource]", "runLauncher.envSecrets")]
     for i, d in enumerate(values["dagster-user-deployments"]["deployments"]):
         where = f"dagster-user-deployments.deployments[{i}]"
-        if not (d.get("dagsterApiGrpcArgs") or d.get("codeServerArgs")):
-            raise ManifestError(f"{where}: needs dagsterApiGrpcArgs or codeServerArgs")
+        _check_keys(d, CHART_KEYS["dagster-user-deployments.deployments[]"], where)
+        if not {"name", "image", "port"} <= set(d):
+            raise ManifestError(f"dagster-values.yaml: {where}: name, image and port are required")
+        if bool(d.get("dagsterApiGrpcArgs")) == bool(d.get("codeServerArgs")):
+            raise ManifestError(f"dagster-values.yaml: {where}: give one of dagsterApiGrpcArgs or codeServerArgs")
         fragments += [(d["env"], "List[V1EnvVar]", f"{where}.env"),
                       (d["volumes"], "List[V1Volume]", f"{where}.volumes"),
                       (d["volumeMounts"], "List[V1VolumeMount]", f"{where}.volumeMounts"),
+                      (d["envSecrets"], "List[V1SecretEnvSource]", f"{where}.envSecrets"),
                       (d["resources"], "V1ResourceRequirements", f"{where}.resources")]
     for value, type_name, where in fragments:
         check_fragment(value, type_name, f"dagster-values.yaml: {where}")
