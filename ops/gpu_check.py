@@ -3,7 +3,7 @@
 `make gpu-check` (or `python -m ops.gpu_check` from the repository root) prints one JSON object:
 
 - `import_chain`: the modules used here load neither Dagster, MLflow nor vLLM (the GPU machines
-  have none of them);
+  have none of them): their import is blocked for the whole check, so a dependency fails its part;
 - `learner_step`: one `ops.learn.step.Learner` step on the tiny preset with a random verified
   batch: bf16, megatron's optimizer, NCCL and Transformer Engine where installed on CUDA; fp32,
   torch AdamW over `main_grad` and gloo on CPU;
@@ -91,8 +91,16 @@ def ensure_packages() -> list[str]:
     return missing
 
 
+def block_forbidden() -> None:
+    """Make importing Dagster, MLflow or vLLM fail here as it does on the GPU machines, so a
+    dependency on them shows on any machine (None in sys.modules halts an import)."""
+    for name in FORBIDDEN:
+        if name not in sys.modules:
+            sys.modules[name] = None  # type: ignore[assignment]
+
+
 def forbidden_loaded() -> list[str]:
-    return sorted({name.split(".")[0] for name in sys.modules} & set(FORBIDDEN))
+    return sorted(name for name in FORBIDDEN if sys.modules.get(name) is not None)
 
 
 def _part(fn, *args, **kwargs) -> dict:
@@ -246,6 +254,7 @@ def bench(cuda: bool) -> dict:
 
 def run_check() -> dict:
     t0 = time.perf_counter()
+    block_forbidden()
     installed = ensure_packages()
     import torch
 
@@ -280,7 +289,7 @@ def run_check() -> dict:
     report["bench"] = _part(bench, cuda)
     report["vllm"] = {"tested": False, "reason": VLLM_NOT_TESTED}
     loaded = forbidden_loaded()
-    report["import_chain"] = {"ok": not loaded, "forbidden": list(FORBIDDEN), "loaded": loaded}
+    report["import_chain"] = {"ok": not loaded, "forbidden": list(FORBIDDEN), "blocked": True, "loaded": loaded}
     parts = ("import_chain", "learner_step", "distributed_optimizer", "parity", "bench")
     report["ok"] = all(report[p].get("ok") for p in parts)
     report["seconds"] = round(time.perf_counter() - t0, 2)

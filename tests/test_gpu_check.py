@@ -20,7 +20,7 @@ def test_gpu_check_dry_run(tmp_path):
         assert key in report, key
     assert report["cuda"] is False and report["ok"] is True
     assert report["import_chain"] == {"ok": True, "forbidden": ["dagster", "dagster_pipes", "mlflow", "vllm"],
-                                      "loaded": []}
+                                      "blocked": True, "loaded": []}
     step = report["learner_step"]
     assert step["ok"] and step["precision"] == "fp32" and step["tensors_changed"] > 0
     parity = report["parity"]
@@ -41,3 +41,14 @@ def test_gpu_check_missing_wheels_is_one_line(tmp_path):
     assert proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "PERPETUA_WHEELS" in lines[0] and "no-such-package" in lines[0]
+
+
+def test_blocked_import_fails_its_part():
+    """With an engine blocked as on the GPU machines, importing it fails, which is how a
+    reused module that needs Dagster, MLflow or vLLM would show in the check."""
+    code = ("import ops.gpu_check as g; g.block_forbidden()\n"
+            "try:\n    import vllm\nexcept ImportError as e:\n    print('blocked', e)\n"
+            "print(g.forbidden_loaded())")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["blocked import of vllm halted; None in sys.modules", "[]"]
