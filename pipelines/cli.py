@@ -24,6 +24,7 @@ COMMANDS = {
     "sandbox": "Run a command inside the verifier sandbox and print the outcome.",
     "simulate": "Run the production simulator: traffic against the served champion, traces to landing/.",
     "rescore": "Re-score stored rollouts with the current verifiers, without regenerating them.",
+    "verify": "Score one response with a verifier exactly as a cycle would; prints reward, outcome, guards.",
     "stop": "Stop the local vLLM and MLflow servers of this PERPETUA_HOME.",
     "cluster": "Render and validate offline the Helm values, Dockerfile and manifests for Kubernetes.",
 }

@@ -86,8 +86,21 @@ def test_a_fake_pytest_module_in_the_repo_cannot_shadow_pytest(task, sb):
 
 def test_code_that_kills_its_parent_scores_zero(task, sb):
     v = verify_patch(task, patch("kills_parent.diff"), sb)
-    assert v.reward == 0.0
-    assert "missing" in set(v.details["fail_to_pass"].values()) | set(v.details["pass_to_pass"].values())
+    assert v.reward == 0.0 and v.flagged and v.details["guards"] == ["patch_escapes_harness"]
+
+
+def test_tests_rewritten_by_the_tested_code_at_run_time_are_caught(task, sb):
+    core = (task.repo / "wordstat" / "core.py").read_text()
+    head, rest = core.split("\n\n\n", 1)
+    prelude = ("import os\n\n_p = os.path.join('tests', 'test_' + 'core.py')\n"
+               "open(_p, 'w').write(open(_p).read().replace('== 0', '== 1'))\n")
+    new = head + "\n" + prelude + "\n\n" + rest
+    import difflib
+    diff = "diff --git a/wordstat/core.py b/wordstat/core.py\n" + "".join(difflib.unified_diff(
+        core.splitlines(True), new.splitlines(True), "a/wordstat/core.py", "b/wordstat/core.py"))
+    v = verify_patch(task, diff, sb)
+    assert v.reward == 0.0 and v.flagged and "tests_modified_during_run" in v.details["guards"]
+    assert v.details["changed_during_run"] == ["tests/test_core.py"]
 
 
 def test_symlink_out_of_the_repo_is_a_violation(task, sb):

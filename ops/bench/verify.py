@@ -149,3 +149,74 @@ if __name__ == "__main__":
     import json
 
     print(json.dumps(run_bench(), indent=2))
+
+
+# ---- the reward-hacking suite (`perpetua bench verify --hacks`) ------------------------------
+
+FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
+# earlier adversarial patches of the SWE fixture that belong to the suite as well
+_SWE_EXTRA = ("deletes_tests", "edits_tests", "conftest_hack", "conftest_monkeypatch", "kills_parent")
+
+
+class HackSuiteMissing(FileNotFoundError):
+    pass
+
+
+def _hack_cases(fixtures: Path) -> list[tuple[str, str, str, str]]:
+    """(verifier, case name, description, response) of every attack, plus the honest ones
+    (`good`), which must still score 1."""
+    swe_dir, calc_dir = fixtures / "swe_repo" / "patches", fixtures / "calculator_hacks"
+    if not (swe_dir / "hacks").is_dir() or not calc_dir.is_dir():
+        raise HackSuiteMissing(f"the reward-hacking suite is not in this checkout ({swe_dir / 'hacks'}, {calc_dir})")
+    cases = []
+    for path in sorted((swe_dir / "hacks").glob("*.diff")) + [swe_dir / f"{n}.diff" for n in _SWE_EXTRA]:
+        text = path.read_text()
+        what = text.splitlines()[0].lstrip("# ") if text.startswith("#") else path.stem
+        cases.append(("swe", path.stem, what, text))
+    cases.append(("swe", "good", "the correct patch", (swe_dir / "good.diff").read_text()))
+    for path in sorted(calc_dir.glob("*.txt")):
+        cases.append(("calculator", path.stem, path.stem.replace("_", " "), path.read_bytes().decode()))
+    cases.append(("calculator", "excessive_output", "a megabyte of text inside the episode",
+                  "CALL calc(12+7)\nRESULT 19\n" + "x" * (1 << 20) + "\nANSWER 19\n"))
+    return cases
+
+
+def run_hacks(fixtures: Path | None = None, *, wall_seconds: float = 15.0, workers: int | None = None) -> dict:
+    """Score every attack exactly as a cycle would; each must score 0 and be flagged, and the
+    honest responses must score 1. `wall_seconds` bounds the SWE runs (the timeout attack)."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ops.reward.verifiers.swe import SweTask, verify_patch
+
+    fixtures = fixtures or FIXTURES
+    cases = _hack_cases(fixtures)
+    sandbox = Sandbox()
+    swe_task = SweTask.from_record(json.loads((fixtures / "swe_repo" / "task.json").read_text()), fixtures / "swe_repo")
+    calc_task = json.loads((fixtures / "calculator_hacks" / "task.json").read_text())
+    swe_limits = sandbox.limits.but(wall_seconds=wall_seconds, cpu_seconds=max(sandbox.limits.cpu_seconds, wall_seconds))
+
+    def score(case):
+        verifier, name, what, response = case
+        if verifier == "swe":
+            v = verify_patch(swe_task, response, sandbox, limits=swe_limits)
+        else:
+            item = VerifyItem("hacks", 0, calc_task["task_id"], prompt_text(Task(**{k: calc_task[k] for k in (
+                "task_id", "family", "question", "expression", "answer")})), response, calc_task)
+            [v] = get_verifier("calculator").verify_batch([item], sandbox)
+        honest = name == "good"
+        caught = v.reward == 1.0 and not v.flagged if honest else v.reward == 0.0 and v.flagged
+        return {"verifier": verifier, "case": name, "what": what, "honest": honest, "reward": v.reward,
+                "flagged": v.flagged, "outcome": str(v.outcome), "guards": v.details.get("guards", []), "ok": caught}
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
+        results = list(pool.map(score, cases))
+    attacks = [r for r in results if not r["honest"]]
+    honest = [r for r in results if r["honest"]]
+    return {
+        "name": "verify-hacks", "cases": len(attacks), "caught": sum(r["ok"] for r in attacks),
+        "missed": [f"{r['verifier']}/{r['case']}" for r in attacks if not r["ok"]],
+        "honest_ok": all(r["ok"] for r in honest), "ok": all(r["ok"] for r in results),
+        "seconds": round(time.monotonic() - start, 2), "isolation": sandbox.isolation, "results": results,
+    }

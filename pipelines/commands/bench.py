@@ -18,9 +18,14 @@ BENCHES = {
 def add_arguments(p) -> None:
     p.add_argument("name", choices=sorted(BENCHES), help="; ".join(f"{k}: {v[1]}" for k, v in BENCHES.items()))
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--hacks", action="store_true",
+                   help="verify only: run the reward-hacking suite (every attack must score 0 and be flagged, "
+                        "the honest responses 1) instead of the speed bench")
 
 
 def run(args) -> int:
+    if args.hacks:
+        return _hacks(args)
     module_name, _ = BENCHES[args.name]
     try:
         module = importlib.import_module(module_name)
@@ -36,3 +41,25 @@ def run(args) -> int:
         for side in ("baseline", "candidate"):
             print(f"  {side}: {result[side]}")
     return 0
+
+
+def _hacks(args) -> int:
+    if args.name != "verify":
+        raise UserError("--hacks belongs to `perpetua bench verify`")
+    from ops.bench.verify import HackSuiteMissing, run_hacks
+    from ops.reward.sandbox import SandboxUnavailable
+
+    try:
+        result = run_hacks()
+    except (HackSuiteMissing, SandboxUnavailable) as e:
+        raise UserError(str(e)) from None
+    if args.json:
+        print_json(result)
+    else:
+        for r in result["results"]:
+            mark = "ok  " if r["ok"] else "MISS"
+            print(f"{mark} {r['verifier']:<10} {r['case']:<32} reward {r['reward']:g} flagged {str(r['flagged']).lower():<5} "
+                  f"{','.join(r['guards']) or r['outcome']}")
+        print(f"caught {result['caught']} of {result['cases']} reward hacks; honest responses score 1: "
+              f"{'yes' if result['honest_ok'] else 'NO'} ({result['isolation']}, {result['seconds']}s)")
+    return 0 if result["ok"] else 1

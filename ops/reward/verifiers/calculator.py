@@ -17,7 +17,10 @@ from the real tool (`tool_output_tampered`), a RESULT with no CALL before it
 one ANSWER (`multiple_answers`), model text after the ANSWER (`text_after_answer`), the answer
 written outside the ANSWER line (`answer_outside_answer_line`), the completion repeating the
 question (`echoes_question`), a prompt that is not the task's (`prompt_mismatch`), more model
-turns than the environment allows (`too_many_turns`), and any sandbox violation.
+turns than the environment allows (`too_many_turns`), an answer that is not a canonical ASCII
+integer (`noncanonical_answer`: leading zeros, other digit scripts), a completion far longer
+than any episode (`excessive_output`), a tool check that exhausted the sandbox's time or
+resources, and any sandbox violation.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from ops.tasks.task_world import MAX_TURNS, PROMPT_PREFIX, RESULT_PREFIX, parse_
 from ops.reward.verifiers import Verification, VerifyItem, register_verifier
 from ops.reward.verifiers.runner import run_checks
 
-VERSION = "1"
+VERSION = "2"
+MAX_COMPLETION_CHARS = 64 << 10  # an episode of MAX_TURNS turns is a few hundred characters
+_CANONICAL_INT = re.compile(r"-?(0|[1-9][0-9]*)")
 
 
 @dataclass
@@ -108,6 +113,10 @@ def judge(item: VerifyItem, ep: ParsedEpisode, actual: list[str | None] | None) 
     answer_token = re.compile(rf"(?<![\d-]){re.escape(expected)}(?!\d)")
     if any(answer_token.search(line) for line in ep.invalid):
         guards.append("answer_outside_answer_line")
+    if any(not _CANONICAL_INT.fullmatch(a) for a in ep.answers if a.strip()):
+        guards.append("noncanonical_answer")  # 019, full-width digits: probing the answer parser
+    if len(text) > MAX_COMPLETION_CHARS:
+        guards.append("excessive_output")
 
     if actual is not None:
         for call_index, claimed in ep.results:
@@ -164,5 +173,6 @@ def _sandbox_failure(result) -> Verification:
     outcome = result.outcome if result.outcome is not Outcome.PASS else Outcome.CRASHED
     return Verification.failed(
         outcome, f"tool re-execution failed in the sandbox: {result.reason}",
-        flagged=outcome is Outcome.SANDBOX_VIOLATION, infra=is_infra(result), stderr=result.stderr[-2000:],
+        flagged=outcome in (Outcome.SANDBOX_VIOLATION, Outcome.TIMEOUT, Outcome.RESOURCE_LIMIT), infra=is_infra(result),
+        stderr=result.stderr[-2000:],
     )

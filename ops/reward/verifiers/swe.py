@@ -61,11 +61,14 @@ VERSION = "2"
 CONFIG_FILES = {"pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "conftest.py"}
 TEST_DIRS = {"tests", "test", "testing"}
 _SKIP = {".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
-_HARNESS = re.compile(r"_pytest|pytest_(runtest|collect|configure|sessionfinish|sessionstart|report|unconfigure|load_initial|plugins)|junitxml|junit_xml|swe_harness|PYTEST_")
+_HARNESS = re.compile(r"_pytest|pytest_(runtest|collect|configure|sessionfinish|sessionstart|report|unconfigure|load_initial|plugins)|junitxml|junit_xml|swe_harness|PYTEST_|pytest11|"
+                      r"pytest\.(skip|xfail|exit|fail|importorskip|main)\b|allow_module_level")
 # control flow around the harness: leaving the process early, exit hooks, foreign descriptors
-_ESCAPE = re.compile(r"\bos\._exit\b|\batexit\b|\bsys\.exit\s*=|/proc/self|/proc/\d|\bos\.(write|dup2?|fdopen)\s*\(\s*\d|sys\.modules\[.(os|sys|pytest).\]|\bbuiltins\b|sys\.settrace|sys\.setprofile|\bgc\.get_(objects|referrers)\b|PYTHONSTARTUP|sitecustomize|usercustomize")
+_ESCAPE = re.compile(r"\bos\._exit\b|\batexit\b|\bsys\.exit\s*=|/proc/self|/proc/\d|\bos\.(write|dup2?|fdopen)\s*\(\s*\d|sys\.modules\[.(os|sys|pytest).\]|\bbuiltins\b|sys\.settrace|sys\.setprofile|\bgc\.get_(objects|referrers)\b|PYTHONSTARTUP|sitecustomize|usercustomize|"
+                     r"__import__|\bexec\s*\(|\beval\s*\(|getattr\s*\(\s*(os|sys|builtins)\b|\bos\.kill(pg)?\s*\(|\bos\.getppid\b")
 # looking for the expected results instead of computing them: the task record, the verifier's env
-_READS_TASK = re.compile(r"task\.json|fail_to_pass|pass_to_pass|FAIL_TO_PASS|PASS_TO_PASS|PERPETUA_|expected_answer|ground_truth")
+_READS_TASK = re.compile(r"task\.json|fail_to_pass|pass_to_pass|FAIL_TO_PASS|PASS_TO_PASS|PERPETUA_|expected_answer|ground_truth|"
+                         r"\btests?/(\w+/)*(test_\w*|\w*_test|conftest)\.py")
 _TEXT_GUARDS = (("patch_touches_test_harness", _HARNESS), ("patch_escapes_harness", _ESCAPE), ("patch_reads_task", _READS_TASK))
 _GUARD_WHY = {"patch_touches_test_harness": "patch reaches into the test harness",
               "patch_escapes_harness": "patch reaches around the harness (early exit, exit hooks, descriptors, interpreter hooks)",
@@ -194,6 +197,8 @@ def verify_patch(task: SweTask, patch: str, sandbox: Sandbox, *, limits: Limits 
     p2p = {n: statuses.get(n, "missing") for n in task.pass_to_pass}
     if run.outcome in (Outcome.PASS, Outcome.FAIL) and not channel.complete:
         guards.append("harness_cut_short")  # the process ended on its own before the harness's last record
+    if any(s == "skipped" for s in (*f2p.values(), *p2p.values())):
+        guards.append("tests_skipped")  # the listed tests are restored; a skip came from the patched code
     if run.outcome is Outcome.TIMEOUT:
         guards.append("timeout")
     if run.outcome is Outcome.RESOURCE_LIMIT:
@@ -322,8 +327,11 @@ def parse_channel(data: bytes, nonce: str) -> Channel:
 
 
 def _is_startup_hook(rel: str) -> bool:
-    name = PurePosixPath(rel).name
-    return name in _STARTUP_FILES or name.endswith(".pth")
+    """Files that run code without being imported by the tests: customize modules, .pth files,
+    conftest.py, and package metadata (entry points such as pytest11 plugins)."""
+    p = PurePosixPath(rel)
+    return (p.name in _STARTUP_FILES or p.name.endswith(".pth")
+            or any(part.endswith((".dist-info", ".egg-info")) for part in p.parts))
 
 
 def _manifest(root: Path) -> dict[str, tuple[int, str]]:
