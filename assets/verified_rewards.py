@@ -23,6 +23,7 @@ from assets.metering import cost_metadata, metered
 
 from ops.common.paths import home
 from ops.common.tables import REWARDS, read_table, table_hash
+from ops.reward.sandbox import SandboxUnavailable
 from ops.reward.verifiers import verifier_versions
 from ops.reward.scoring import NothingToScore, rewards_path, score_cycle, stored_cycles
 
@@ -52,7 +53,7 @@ def verified_rewards(context: dg.AssetExecutionContext, config: VerifiedRewardsC
     try:
         with metered("reward", cycle) as meter:  # sandboxed verifier processes are waited-for children
             report, path, table = score_cycle(home().data, cycle, workers=config.workers or None)
-    except NothingToScore as e:
+    except (NothingToScore, SandboxUnavailable) as e:
         raise dg.Failure(str(e)) from None
     summary = report.summary()
     stats = report.group_stats()

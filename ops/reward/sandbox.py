@@ -15,8 +15,10 @@ a user's check) runs here. One run is:
   (ops.reward.isolation); as root, the command runs under a numeric uid of its own
   (ops.reward.uid_pool), because the kernel does not apply RLIMIT_NPROC to uid 0.
 
-Without bwrap the sandbox falls back to resource limits, a scrubbed environment and a fresh
-work directory, and says so once, loudly: no filesystem, network or pid isolation then.
+Without a working bwrap the sandbox fails closed (`SandboxUnavailable`, saying how to install
+it). Only the explicit development setting PERPETUA_UNSAFE_NO_SANDBOX=1 runs commands with
+resource limits, a scrubbed environment and a fresh work directory alone (isolation `rlimits`,
+recorded on every reward row and refused by the cycle's checks).
 
 Outcomes are typed (`Outcome`, ops.reward.outcome): pass (exit 0), fail (non-zero exit), timeout
 (wall clock), crashed (killed by a signal, or the sandbox itself failed to start),

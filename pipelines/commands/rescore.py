@@ -43,9 +43,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _direct(data, cycle: int, workers: int) -> dict:
+    from ops.reward.sandbox import SandboxUnavailable
     from ops.reward.scoring import score_cycle
 
-    report, path, _ = score_cycle(data, cycle, workers=workers or None)
+    try:
+        report, path, _ = score_cycle(data, cycle, workers=workers or None)
+    except SandboxUnavailable as e:
+        raise UserError(str(e)) from None
     return {"cycle": cycle, **report.summary(), "path": str(path), "dagster_run_id": None}
 
 
