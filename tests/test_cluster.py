@@ -55,8 +55,10 @@ def test_render_defaults(tmp_path, capsys):
     assert "--enable-expert-parallel" in args
     assert args[args.index("--api-key") + 1] == "$(VLLM_API_KEY)"
     assert args[args.index("--port") + 1] == "8000"
-    key = next(e for e in c.env if e.name == "VLLM_API_KEY")
-    assert key.value_from.secret_key_ref.name == "perpetua-vllm-api-key"
+    assert args[args.index("--middleware") + 1] == "ops.serving.vllm_auth.require_api_key"
+    for name in ("VLLM_API_KEY", "PERPETUA_VLLM_API_KEY"):
+        ref = next(e for e in c.env if e.name == name).value_from.secret_key_ref
+        assert (ref.name, ref.key) == ("perpetua-vllm-api-key", "PERPETUA_VLLM_API_KEY")
     assert c.resources.requests["nvidia.com/gpu"] == c.resources.limits["nvidia.com/gpu"] == "1"
     assert c.readiness_probe.http_get.path == "/health" and c.readiness_probe.http_get.port == 8000
     assert model(trainer_svc).spec.ports[0].port == 8000
@@ -85,6 +87,7 @@ def test_render_defaults(tmp_path, capsys):
     grpc_args = deployment.get("codeServerArgs") or deployment["dagsterApiGrpcArgs"]
     assert grpc_args[grpc_args.index("--module-name") + 1] == "pipelines.definitions"
     assert {e["name"]: e["value"] for e in deployment["env"]}["PERPETUA_ENV"] == "cluster"
+    assert deployment["envSecrets"] == [{"name": "perpetua-vllm-api-key"}]  # PERPETUA_VLLM_API_KEY for clients
 
     dockerfile = (out / "Dockerfile").read_text()
     assert 'pip install ".[cuda]"' in dockerfile and "dagster-k8s==" in dockerfile

@@ -132,8 +132,15 @@ class ClusterConfig(_Strict):
     trainer: Annotated[VllmServerConfig, Field(description="vLLM servers for rollouts and evals")] = VllmServerConfig()
     production: Annotated[VllmServerConfig, Field(description="vLLM servers serving the champion")] = VllmServerConfig()
     vllm_api_key_secret: Annotated[
-        str, Field(pattern=_DNS_LABEL, description="Secret with key 'api-key': vLLM's --api-key, also given to clients")
+        str,
+        Field(pattern=_DNS_LABEL, description="Secret with key 'PERPETUA_VLLM_API_KEY': the vLLM servers' key "
+              "(--api-key and the auth middleware), sent by the code location and its runs as a Bearer token"),
     ] = "perpetua-vllm-api-key"
+    vllm_auth_middleware: Annotated[
+        str | None,
+        Field(description="ASGI middleware that asks the key on every path but /health (vLLM's --api-key leaves "
+              "the refit endpoints open); None: --api-key only"),
+    ] = "ops.serving.vllm_auth.require_api_key"
     mlflow: MlflowConfig = MlflowConfig()
     learner: LearnerJobConfig = LearnerJobConfig()
     retrain_threshold: Annotated[int, Field(ge=1, description="PERPETUA_RETRAIN_THRESHOLD of the code location")] = 32

@@ -30,6 +30,8 @@ LEARNER_ENTRY = "ops.learn.main"
 # The worker extension that makes refits correct (ops.rollout.vllm_worker); a literal, so
 # rendering imports nothing of the rollout stage.
 VLLM_WORKER_EXTENSION = "ops.rollout.vllm_worker.PerpetuaWorkerExtension"
+# The servers' key, as the middleware reads it and the clients send it (ops/serving/api_key.py).
+API_KEY_ENV = "PERPETUA_VLLM_API_KEY"
 
 
 class _Dumper(yaml.SafeDumper):
@@ -118,6 +120,8 @@ def vllm_server(cfg: ClusterConfig, role: str, name: str) -> list[dict]:
         "--worker-extension-cls", VLLM_WORKER_EXTENSION,
         "--api-key", "$(VLLM_API_KEY)",  # expanded by the kubelet from the env below
     ]
+    if cfg.vllm_auth_middleware:
+        args += ["--middleware", cfg.vllm_auth_middleware]
     if server.enable_expert_parallel:
         args.append("--enable-expert-parallel")
     gpus = str(server.gpus)
@@ -128,7 +132,9 @@ def vllm_server(cfg: ClusterConfig, role: str, name: str) -> list[dict]:
         "command": ["python", "-m", "vllm.entrypoints.openai.api_server"],
         "args": args,
         "env": [
-            _secret_env("VLLM_API_KEY", cfg.vllm_api_key_secret, "VLLM_API_KEY"),
+            # One key: vLLM's own (/v1) and the middleware's (every other path but /health).
+            _secret_env("VLLM_API_KEY", cfg.vllm_api_key_secret, API_KEY_ENV),
+            _secret_env(API_KEY_ENV, cfg.vllm_api_key_secret, API_KEY_ENV),
             # The refit and weight-version endpoints the trainer and the deployment use.
             {"name": "VLLM_SERVER_DEV_MODE", "value": "1"},
             {"name": "VLLM_LOGGING_LEVEL", "value": "WARNING"},
