@@ -11,7 +11,7 @@ so a harvest that finds nothing new leaves downstream assets fresh.
 import dagster as dg
 from pydantic import Field
 
-from ops.harvest.harvester import HARVEST_CODE_VERSION, HarvestConfig, HarvestResult, harvest
+from ops.harvest.harvester import HARVEST_CODE_VERSION, HarvestConfig, HarvestError, HarvestResult, harvest
 from ops.harvest.known_versions import resolve_known_versions
 from ops.harvest.mlflow_source import MlflowTraceSource
 from ops.common import tracking
@@ -39,13 +39,14 @@ def harvested_failures(context: dg.AssetExecutionContext, config: HarvestedFailu
     """Validated, deduplicated production failures (bad records quarantined with reasons)."""
     registry_uri = tracking.existing_tracking_uri(config.mlflow_tracking_uri)  # None: no registry yet
     known, known_from = resolve_known_versions(config.known_model_versions, registry_uri, config.registered_model_name)
-    if not known:
-        context.log.warning(f"no known model versions ({known_from}): every landed record will be quarantined")
     mlflow = None
     if config.mlflow_trace_experiments:
         uri = tracking.tracking_uri(config.mlflow_tracking_uri)
         mlflow = MlflowTraceSource(tracking_uri=uri, experiment_names=config.mlflow_trace_experiments)
-    result = harvest(HarvestConfig(known_model_versions=known, max_record_bytes=config.max_record_bytes, mlflow=mlflow))
+    try:
+        result = harvest(HarvestConfig(known_model_versions=known, max_record_bytes=config.max_record_bytes, mlflow=mlflow))
+    except HarvestError as e:  # no known model version: nothing read, the landing zone kept
+        raise dg.Failure(description=f"{e} (known versions from: {known_from})") from None
     return dg.MaterializeResult(metadata=harvest_metadata(result, sorted(known), known_from), data_version=dg.DataVersion(result.data_version))
 
 
@@ -72,5 +73,6 @@ def harvest_metadata(result: HarvestResult, known: list[str], known_from: str) -
         "quarantine_path": dg.MetadataValue.path(str(result.quarantine_path) if result.quarantine_path else ""),
         "known_model_versions": dg.MetadataValue.json({"versions": known, "from": known_from}),
         "skipped_files": dg.MetadataValue.json(result.skipped_files),
+        "refused_files": dg.MetadataValue.json(result.refused_files),
         "data_version": dg.MetadataValue.text(result.data_version),
     }

@@ -317,3 +317,132 @@ def test_bench_small():
     assert cand["counts"]["quarantined"] == sum(v for k, v in result["written"].items() if k not in ("good", "duplicate"))
     assert set(cand["counts"]["quarantine_reasons"]) >= {"oversized", "unknown_model_version", "missing_field:family"}
     assert cand["peak_rss_mb"] > 0 and base["peak_rss_mb"] > 0
+
+
+# ---- exact under appends, misconfiguration and bad files ----------------------------------------
+
+
+def _cursor_bytes() -> bytes | None:
+    path = home().data / "harvest" / "cursor.json"
+    return path.read_bytes() if path.exists() else None
+
+
+def test_a_line_being_appended_waits_for_the_next_harvest(perpetua_home):
+    path = home().landing / "live.jsonl"
+    whole = lines(rec(1), rec(2), rec(3), rec(4))
+    half = whole.index(b"\n", whole.index(b"\n") + 1) + 1 + 40  # two lines and 40 bytes of the third
+    path.write_bytes(whole[:half])
+    first = harvest(SETTINGS)
+    assert (first.counts.read, first.counts.harvested, first.counts.quarantined) == (2, 2, 0)
+    with open(path, "ab") as f:
+        f.write(whole[half:])  # the writer finishes the line and writes one more
+    second = harvest(SETTINGS)
+    assert (second.counts.read, second.counts.harvested, second.counts.quarantined) == (2, 2, 0)
+    assert second.quarantine_path is None and first.quarantine_path is None
+    table = read_failures()
+    assert sorted(t for ids in table["trace_ids"].to_pylist() for t in ids) == ["tr-1", "tr-2", "tr-3", "tr-4"]
+    assert harvest(SETTINGS).counts.read == 0
+
+
+def test_an_unterminated_last_line_is_final_once_the_file_is_quiet(perpetua_home):
+    path = home().landing / "died.jsonl"
+    path.write_bytes(lines(rec(1)) + json.dumps(rec(2)).encode() + lines(rec(3))[:30])  # a writer died mid-line
+    assert harvest(SETTINGS).counts.read == 1  # just written: the tail may still be coming
+    old = path.stat().st_mtime - 3600
+    os.utime(path, (old, old))
+    later = harvest(SETTINGS.model_copy(update={"quiet_seconds": 60}))
+    assert (later.counts.read, later.counts.harvested, later.counts.quarantined) == (1, 0, 1)
+    assert later.counts.quarantine_reasons == {"malformed_json": 1} and later.counts.conserved
+
+
+def test_no_known_model_version_fails_and_keeps_everything(perpetua_home):
+    from ops.harvest.harvester import HarvestError
+
+    none = HarvestConfig(known_model_versions=frozenset())
+    assert harvest(none).counts.read == 0  # nothing landed: nothing to refuse
+    write_traces([rec(i) for i in range(5)], home().landing)
+    before = _cursor_bytes()
+    landed = {p.name: p.read_bytes() for p in home().landing.iterdir()}
+    with pytest.raises(HarvestError, match=r"^no model version is known.*1 landing file\(s\) with unread records") as e:
+        harvest(none)
+    assert "\n" not in str(e.value)
+    assert _cursor_bytes() == before and list(home().quarantine.iterdir()) == []
+    assert {p.name: p.read_bytes() for p in home().landing.iterdir()} == landed
+    assert harvest(SETTINGS).counts.harvested == 5  # once a version is known, nothing was lost
+
+
+def test_the_asset_reports_no_known_version_in_one_line(perpetua_home, monkeypatch):
+    import dagster as dg
+
+    from assets.harvested_failures import harvested_failures
+
+    monkeypatch.setenv("PERPETUA_KNOWN_MODEL_VERSIONS", "")
+    write_traces([rec(1)], home().landing)
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([harvested_failures], instance=instance, raise_on_error=False)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_step_failure).step_failure_data.error
+    assert "no model version is known" in failure.message and "\n" not in failure.message.strip()
+
+
+def test_symlinks_and_special_files_are_refused_unread(perpetua_home):
+    landing = home().landing
+    write_traces([rec(1)], landing)
+    (landing / "passwd.jsonl").symlink_to("/etc/passwd")
+    (landing / "etc").symlink_to("/etc", target_is_directory=True)
+    os.mkfifo(landing / "pipe.jsonl")  # opening it for reading would block
+    result = harvest(SETTINGS)
+    c = result.counts
+    assert (c.read, c.harvested, c.quarantined) == (4, 1, 3) and c.conserved
+    assert c.quarantine_reasons == {"not_a_regular_file": 3}
+    assert result.refused_files == ["etc", "passwd.jsonl", "pipe.jsonl"]
+    quarantined = result.quarantine_path.read_text()
+    assert "root:" not in quarantined and Path("/etc/passwd").read_text()[:20] not in quarantined
+    assert {json.loads(line)["raw"] for line in quarantined.splitlines()} == {"symlink: refused, not read",
+                                                                              "fifo: refused, not read"}
+    again = harvest(SETTINGS)  # refused once, not counted again
+    assert again.counts.read == 0
+
+
+def test_a_landing_file_swapped_for_a_symlink_is_not_followed(perpetua_home, monkeypatch):
+    from ops.harvest import landing as landing_mod
+
+    path = home().landing / "swapped.jsonl"
+    path.write_bytes(lines(rec(1)))
+    listed = landing_mod.landing_files(home().landing)
+    path.unlink()
+    path.symlink_to("/etc/passwd")  # after the listing, before the read
+    monkeypatch.setattr(harvester, "landing_files", lambda _: listed)
+    result = harvest(SETTINGS)
+    assert result.counts.quarantine_reasons == {"not_a_regular_file": 1} and result.refused_files == ["swapped.jsonl"]
+    assert "root:" not in result.quarantine_path.read_text()
+    monkeypatch.undo()
+    monkeypatch.setenv("PERPETUA_HOME", str(perpetua_home))
+    assert harvest(SETTINGS).counts.read == 0  # the symlink is now listed as refused: not counted twice
+
+
+def test_a_parquet_row_group_too_large_for_its_rows_is_rejected_undecoded(perpetua_home, monkeypatch):
+    from ops.harvest import parquet_source
+
+    path = home().landing / "groups.parquet"
+    from ops.harvest.contract import TraceRecord
+
+    def table(rows):
+        return pa.Table.from_pylist([TraceRecord.model_validate(r).model_dump() for r in rows], schema=TRACES)
+
+    with pq.ParquetWriter(path, TRACES) as w:
+        w.write_table(table([rec(i) for i in range(3)]))
+        # 6 kB of distinct text per row (no dictionary shrinks it), limit 2 kB
+        w.write_table(table([rec(i, question=f"{i}-" + "q" * 6000) for i in range(3, 7)]))
+    assert pq.ParquetFile(path).metadata.num_row_groups == 2
+    decoded = []
+    original = parquet_source._harvest_rows
+    monkeypatch.setattr(parquet_source, "_harvest_rows", lambda t, *a: (decoded.append(t.num_rows), original(t, *a)))
+    result = harvest(SETTINGS)
+    c = result.counts
+    assert decoded == [3]  # the second row group was never decoded
+    assert (c.read, c.harvested, c.quarantined, c.quarantine_reasons) == (7, 3, 4, {"oversized_row_group": 4})
+    assert c.conserved
+    entry = json.loads(result.quarantine_path.read_text())
+    assert entry["rows"] == 4 and entry["line"] == 4 and "not decoded" in entry["raw"] and "qqqq" not in entry["raw"]
+    assert harvest(SETTINGS).counts.read == 0

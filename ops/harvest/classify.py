@@ -90,6 +90,7 @@ class HarvestBatch:
         quarantine_tmp.parent.mkdir(parents=True, exist_ok=True)
         self._qfile = open(quarantine_tmp, "w", encoding="utf-8")
         self._any_quarantined = False
+        self.refused: list[str] = []  # landing entries refused unread (symlinks, special files)
 
     # quarantine ------------------------------------------------------------------------------
     def quarantine(self, source: str, line: int | None, reason: str, raw: str) -> None:
@@ -101,6 +102,20 @@ class HarvestBatch:
         entry = {"source_file": source, "line": line, "reason": reason, "generation": self.generation, "raw": raw[:RAW_LIMIT]}
         if len(raw) > RAW_LIMIT:
             entry["truncated"] = True
+        self._qfile.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self._any_quarantined = True
+
+    def quarantine_rows(self, source: str, first_line: int, n: int, reason: str, note: str) -> None:
+        """Count `n` records as read and quarantined without decoding them (one entry for all:
+        lines `first_line` .. `first_line + n - 1`)."""
+        if n <= 0:
+            return
+        self.counts.read += n
+        self.counts.quarantined += n
+        self.reasons[reason] += n
+        self.counts.quarantine_reasons = dict(self.reasons)
+        entry = {"source_file": source, "line": first_line, "rows": n, "reason": reason, "generation": self.generation,
+                 "raw": note[:RAW_LIMIT]}
         self._qfile.write(json.dumps(entry, ensure_ascii=False) + "\n")
         self._any_quarantined = True
 

@@ -15,6 +15,15 @@ new generation of the failures table. Why it is shaped like this:
   traces in pages (`ops.harvest.mlflow_source`), all judged by the vectorised validation
   (`ops.harvest.validation`).
 - *Dedup by task.* Failures are folded into one row per task signature (`ops.harvest.failures`).
+- *Exact under appends.* Only newline-terminated JSONL lines are consumed; a last line without
+  its newline waits for the next harvest, unless the file has not changed for `quiet_seconds`
+  (then it is final: a producer that died mid-line). Nothing half-written is quarantined.
+- *Nothing lost to a misconfiguration.* With no known model version at all every record would
+  be quarantined as unknown; instead the harvest fails with `HarvestError`, reads nothing and
+  leaves the landing zone and the cursor as they were.
+- *Only regular files are read.* Symlinks and special files in the landing zone are refused
+  unread (`ops.harvest.landing`) and counted once as quarantined (`not_a_regular_file`), so
+  conservation holds and nothing outside the landing zone reaches the quarantine.
 
 The phases, in order: read the landing files (each from its cursor entry), read MLflow; check
 conservation; then either remember what was read without a new generation (nothing new), or
@@ -23,6 +32,7 @@ write the batch, the merged failures table, the seen-set, the quarantine and fin
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +46,7 @@ from ops.common.paths import Home, home as default_home
 from ops.harvest.classify import HarvestBatch, HarvestCounts
 from ops.harvest.failures import HARVESTED_FAILURES, batch_path, failures_dir, failures_path, failures_version, merge_failures, write_failures
 from ops.harvest.jsonl_source import harvest_jsonl
-from ops.harvest.landing import landing_files
+from ops.harvest.landing import NotRegularFile, landing_files
 from ops.harvest.mlflow_source import MlflowTraceSource, harvest_mlflow
 from ops.harvest.parquet_source import harvest_parquet
 from ops.harvest.state import CURSOR_VERSION, exclusive, load_cursor, load_seen, prune, state_dir, write_cursor, write_seen
@@ -58,6 +68,14 @@ class HarvestConfig(BaseModel):
         bool, Field(description="Validate every record with the per-record path (for equivalence tests).")
     ] = False
     mlflow: Annotated[MlflowTraceSource | None, Field(description="Also harvest MLflow traces from here.")] = None
+    quiet_seconds: Annotated[
+        float, Field(ge=0, description="A JSONL file's last line without a newline is taken as final once the file "
+                                       "has not changed for this long; until then it waits (it is being written).")
+    ] = 300.0
+
+
+class HarvestError(RuntimeError):
+    """A harvest that cannot run as configured; nothing was read or written."""
 
 
 @dataclass
@@ -74,6 +92,7 @@ class HarvestResult:
     failure_types: dict[str, int]  # harvested traces by failure type (this harvest)
     trace_ids_sample: list[str]  # up to 20 trace ids harvested now (all are in the batch table)
     skipped_files: list[str]  # landing files that are not trace files (unknown suffix)
+    refused_files: list[str]  # symlinks and special files in the landing zone (never read)
 
 
 def harvest(settings: HarvestConfig, home: Home | None = None) -> HarvestResult:
@@ -84,11 +103,15 @@ def harvest(settings: HarvestConfig, home: Home | None = None) -> HarvestResult:
     with exclusive(state / "lock"):
         cursor = load_cursor(state)
         gen = cursor["generation"] + 1
+        files, skipped, refused = landing_files(h.landing)
+        if not settings.known_model_versions:
+            _refuse_without_known_versions(files, cursor["files"], settings)
         batch = HarvestBatch(settings.known_model_versions, load_seen(state, cursor["generation"]),
                              h.quarantine / f".harvest-{gen:06d}.jsonl.tmp", gen)
-        files, skipped = landing_files(h.landing)
+        batch.refused.extend(rel for rel, _ in refused)
         try:
-            new_files = _read_landing(files, cursor["files"], batch, settings)
+            new_files = _refuse_entries(refused, cursor["files"], batch)
+            new_files = _read_landing(files, new_files, batch, settings)
             new_mlflow = _read_mlflow(settings.mlflow, cursor["mlflow"], batch)
         finally:
             batch.close_quarantine()
@@ -100,6 +123,40 @@ def harvest(settings: HarvestConfig, home: Home | None = None) -> HarvestResult:
 
 
 # ---- reading ----------------------------------------------------------------------------------
+
+
+def _unread(path: Path, entry: dict | None) -> bool:
+    """Whether a landing file has bytes or rows its cursor entry has not consumed."""
+    try:
+        size = os.lstat(path).st_size
+    except FileNotFoundError:
+        return False
+    if entry is None or entry.get("refused"):
+        return size > 0
+    return not (entry["size"] == size and entry["offset"] >= size)
+
+
+def _refuse_without_known_versions(files: list[tuple[str, Path]], entries: dict, settings: HarvestConfig) -> None:
+    """With no known model version every record would be quarantined as unknown: fail instead,
+    before reading anything, when there is something to read."""
+    waiting = [rel for rel, path in files if _unread(path, entries.get(rel))]
+    if waiting or settings.mlflow is not None:
+        what = f"{len(waiting)} landing file(s) with unread records" if waiting else "the MLflow trace source"
+        raise HarvestError(
+            f"no model version is known, so no record could be accepted: {what} left as they are, cursor "
+            "unchanged; deploy a policy (its registry versions are known) or set PERPETUA_KNOWN_MODEL_VERSIONS")
+
+
+def _refuse_entries(refused: list[tuple[str, str]], entries: dict, batch: HarvestBatch) -> dict:
+    """Count each symlink or special file once as quarantined (`not_a_regular_file`), unread;
+    returns the cursor's `files` with them remembered."""
+    new_files = dict(entries)
+    for rel, kind in refused:
+        if (entries.get(rel) or {}).get("refused") == kind:
+            continue  # refused by an earlier harvest already
+        batch.quarantine(rel, None, "not_a_regular_file", f"{kind}: refused, not read")
+        new_files[rel] = {"offset": 0, "records": 0, "size": 0, "refused": kind}
+    return new_files
 
 
 def _read_landing(files: list[tuple[str, Path]], entries: dict, batch: HarvestBatch, settings: HarvestConfig) -> dict:
@@ -119,9 +176,11 @@ def _read_file(path: Path, rel: str, entry: dict | None, batch: HarvestBatch, se
     from the start (dedup by trace id keeps that harmless). An unreadable file is quarantined
     as one record and not retried until it changes."""
     try:
-        size = path.stat().st_size
+        size = os.lstat(path).st_size
     except FileNotFoundError:
         return None  # removed since the listing: nothing of it was read
+    if entry is not None and entry.get("refused"):
+        entry = None  # once a symlink or special file, now a regular file: read it whole
     entry = dict(entry or {"offset": 0, "records": 0, "size": 0})
     if entry["size"] == size and entry["offset"] >= size:
         return None
@@ -133,6 +192,10 @@ def _read_file(path: Path, rel: str, entry: dict | None, batch: HarvestBatch, se
             return {"offset": size, "records": rows, "size": size}
         offset, records = harvest_jsonl(path, rel, entry["offset"], entry["records"], batch, settings)
         return {"offset": offset, "records": records, "size": size}
+    except NotRegularFile as e:  # swapped for a symlink or special file after the listing
+        batch.quarantine(rel, None, "not_a_regular_file", f"{e.kind}: refused, not read")
+        batch.refused.append(rel)
+        return {"offset": 0, "records": 0, "size": 0, "refused": e.kind}
     except (OSError, pa.ArrowException) as e:
         batch.quarantine(rel, None, "unreadable_file", f"{type(e).__name__}: {e}")
         return {"offset": size, "records": entry["records"], "size": size}
@@ -200,4 +263,5 @@ def _result(gen: int, batch: HarvestBatch, skipped: list[str], current: Path | N
         failure_types=dict(sorted(types.items())),
         trace_ids_sample=sample,
         skipped_files=skipped,
+        refused_files=sorted(batch.refused),
     )

@@ -8,11 +8,18 @@ bisected), so only the offending lines go through the per-record path
 (`ops.harvest.contract.validate_json_line`, which names every quarantine reason). A line longer
 than `max_record_bytes` is never held whole: its head is kept for the quarantine and the rest
 is skipped up to the next newline.
+
+Only newline-terminated lines are consumed. A file may be appended to while it is read, so a
+last line without its newline is usually half-written: it is left for the next harvest (the
+returned offset stops at its start) unless the file has not been modified for
+`settings.quiet_seconds`, judged at end of file on the open file, in which case it is final.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +30,7 @@ import pyarrow.json as pj
 
 from ops.harvest.classify import RAW_LIMIT, HarvestBatch
 from ops.harvest.contract import TRACES_JSON, TraceRecord, validate_json_line
+from ops.harvest.landing import open_regular
 from ops.harvest.validation import ACCEPTED, accept_vectorised, records_table
 
 if TYPE_CHECKING:
@@ -33,28 +41,34 @@ _SMALL = 8  # segments this short go straight to the per-record path
 
 def harvest_jsonl(path: Path, rel: str, offset: int, records: int, batch: HarvestBatch, settings: HarvestConfig) -> tuple[int, int]:
     """Harvest whole lines from byte `offset`; returns (new offset, lines consumed so far).
-    A last line without a newline is harvested only at end of file."""
-    with open(path, "rb") as f:
+    A last line without a newline is harvested only once the file is quiet (module docstring)."""
+    with open_regular(path) as f:
         f.seek(offset)
+        done = offset  # end of the last line consumed; `carry` (or the line being skipped) starts here
         carry = b""
         skipping: bytes | None = None  # head of a line longer than max_record_bytes, being skipped
         while True:
             block = f.read(settings.block_bytes)
             if not block:
+                if skipping is None and not carry:
+                    break
+                if time.time() - os.fstat(f.fileno()).st_mtime < settings.quiet_seconds:
+                    break  # an unterminated last line, still being written: the next harvest takes it
                 if skipping is not None:
                     records += 1
                     batch.quarantine(rel, records, "oversized", skipping.decode("utf-8", "replace"))
-                elif carry:
+                else:
                     records = _harvest_lines(carry + b"\n", rel, records, batch, settings)
-                offset = f.tell()
+                done = f.tell()
                 break
+            block_start = f.tell() - len(block)
             if skipping is not None:
                 nl = block.find(b"\n")
                 if nl < 0:
                     continue
                 records += 1
                 batch.quarantine(rel, records, "oversized", skipping.decode("utf-8", "replace"))
-                skipping, block = None, block[nl + 1 :]
+                skipping, block, done = None, block[nl + 1 :], block_start + nl + 1
             buf = carry + block
             cut = buf.rfind(b"\n")
             if cut < 0:
@@ -63,10 +77,11 @@ def harvest_jsonl(path: Path, rel: str, offset: int, records: int, batch: Harves
                     skipping, carry = carry[:RAW_LIMIT], b""
                 continue
             records = _harvest_lines(buf[: cut + 1], rel, records, batch, settings)
+            done += cut + 1
             carry = buf[cut + 1 :]
             if len(carry) > settings.max_record_bytes:
                 skipping, carry = carry[:RAW_LIMIT], b""
-    return offset, records
+    return done, records
 
 
 def _harvest_lines(buf: bytes, rel: str, base: int, batch: HarvestBatch, settings: HarvestConfig) -> int:

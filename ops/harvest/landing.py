@@ -4,13 +4,23 @@ an estimate of the failures that arrived (for the retraining sensor).
 Why here and not in the harvester: observing must be cheap and must never take the harvest
 lock. A producer writes a file under a dot-name and renames it, so dot- and underscore-names
 are in flight and are not listed; once visible, a landing file is immutable (or only appended to).
+
+Only regular files are trace files. A symlink (to a file or a folder) or a special file (a FIFO,
+a socket, a device) in the landing zone is refused: listed apart, never followed, never opened,
+so nothing outside the landing zone is ever read into a harvest or its quarantine. Files are
+opened with `open_regular`, which refuses the same things at open time (a file swapped for a
+symlink after the listing).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import re
+import stat
 from pathlib import Path
+from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -20,30 +30,86 @@ from ops.harvest.contract import LANDING_SUFFIXES
 from ops.harvest.validation import np_bool
 
 
-def landing_files(landing: Path) -> tuple[list[tuple[str, Path]], list[str]]:
-    """Trace files visible in the landing zone as (relative path, path), sorted, and the
-    relative paths of other files (not traces)."""
-    files, skipped = [], []
+class NotRegularFile(OSError):
+    """A landing entry that is not a regular file (a symlink, a FIFO, a socket, a device)."""
+
+    def __init__(self, path: Path, kind: str):
+        super().__init__(errno.EINVAL, f"{kind}, not read", str(path))
+        self.kind = kind
+
+
+def entry_kind(mode: int) -> str:
+    """What a non-regular entry is, for the refusal's reason."""
+    for test, kind in ((stat.S_ISLNK, "symlink"), (stat.S_ISFIFO, "fifo"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """Open a landing file for reading without following a symlink and without blocking on a
+    FIFO; raises NotRegularFile unless it is a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotRegularFile(path, "symlink") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(path, entry_kind(mode))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def landing_files(landing: Path) -> tuple[list[tuple[str, Path]], list[str], list[tuple[str, str]]]:
+    """What the landing zone holds, each list sorted by relative path: the trace files as
+    (relative path, path); the relative paths of other regular files (not traces); and the
+    refused entries, symlinks and special files, as (relative path, kind). In-flight and hidden
+    names (a part starting with "." or "_") are left out."""
+    files, skipped, refused = [], [], []
     if not landing.exists():
-        return files, skipped
-    for path in sorted(landing.rglob("*")):
-        rel = path.relative_to(landing).as_posix()
-        if any(part.startswith((".", "_")) for part in path.relative_to(landing).parts) or not path.is_file():
-            continue  # in-flight (dot-)files and hidden folders are not landed yet
-        if path.suffix in LANDING_SUFFIXES:
-            files.append((rel, path))
-        else:
-            skipped.append(rel)
-    return files, skipped
+        return files, skipped, refused
+    for folder, dirs, names in os.walk(landing, followlinks=False):
+        base = Path(folder)
+        for name in list(dirs):
+            if name.startswith((".", "_")):
+                dirs.remove(name)  # in-flight or hidden folder
+            elif (base / name).is_symlink():
+                dirs.remove(name)
+                refused.append(((base / name).relative_to(landing).as_posix(), "symlink"))
+        for name in names:
+            if name.startswith((".", "_")):
+                continue  # in-flight (dot-)files are not landed yet
+            path = base / name
+            rel = path.relative_to(landing).as_posix()
+            try:
+                mode = os.lstat(path).st_mode
+            except FileNotFoundError:
+                continue  # removed since the walk listed it
+            if not stat.S_ISREG(mode):
+                refused.append((rel, entry_kind(mode)))
+            elif path.suffix in LANDING_SUFFIXES:
+                files.append((rel, path))
+            else:
+                skipped.append(rel)
+    return sorted(files), sorted(skipped), sorted(refused)
 
 
 def landing_data_version(landing: Path) -> tuple[str, int, int]:
     """(version, files, bytes) of the landing zone: a hash of its listing, cheap to observe."""
-    files, _ = landing_files(landing)
+    files, _, _ = landing_files(landing)
     digest = hashlib.sha256()
     total = 0
     for rel, path in files:
-        st = path.stat()
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
         total += st.st_size
         digest.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:16], len(files), total
@@ -63,10 +129,13 @@ def estimate_new_failures(landing: Path, sizes: dict[str, int]) -> tuple[int, di
     failure / error outcomes and negatively rated successes, Parquet files read two columns.
     It does not validate or dedup; the harvester's counts are the exact ones."""
     new = 0
-    files, _ = landing_files(landing)
+    files, _, _ = landing_files(landing)
     out = dict(sizes)
     for rel, path in files:
-        size = path.stat().st_size
+        try:
+            size = os.lstat(path).st_size
+        except FileNotFoundError:
+            continue
         start = sizes.get(rel, 0)
         if size == start:
             continue
@@ -81,7 +150,8 @@ def estimate_new_failures(landing: Path, sizes: dict[str, int]) -> tuple[int, di
 
 
 def _count_parquet(path: Path) -> int:
-    t = pq.read_table(path, columns=["outcome", "feedback"])
+    with open_regular(path) as f:
+        t = pq.read_table(f, columns=["outcome", "feedback"])
     outcome = t["outcome"]
     failed = pc.is_in(outcome, value_set=pa.array(["failure", "error"]))
     negative = pc.and_(pc.equal(outcome, "success"), pc.equal(pc.struct_field(t["feedback"], "rating"), "negative"))
@@ -90,7 +160,7 @@ def _count_parquet(path: Path) -> int:
 
 def _count_jsonl(path: Path, start: int) -> int:
     new = 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         f.seek(start)
         while chunk := f.read(8 << 20):
             chunk += f.readline()  # whole lines only

@@ -6,6 +6,13 @@ types and judged by the vectorised validation; a batch whose columns cannot be c
 kinds: ints where strings belong) and every row the vectorised path rejects go through the
 per-record path (`ops.harvest.contract.validate_record`, which names every quarantine reason).
 Parquet rows have no line length, so oversized is judged on the summed text of the row.
+
+Before a row group is decoded its size is checked from the file's metadata: a row group whose
+uncompressed bytes per row exceed `max_record_bytes` holds at least one oversized record, and
+decoding it could take unbounded memory, so its rows are quarantined undecoded
+(`oversized_row_group`, one quarantine entry counting them all). Each column chunk is allowed
+COLUMN_OVERHEAD bytes of page headers and statistics on top, so a small group of ordinary rows
+is never mistaken for one.
 """
 
 from __future__ import annotations
@@ -20,25 +27,49 @@ import pyarrow.parquet as pq
 
 from ops.harvest.classify import RAW_LIMIT, HarvestBatch
 from ops.harvest.contract import TraceRecord, validate_record
+from ops.harvest.landing import open_regular
 from ops.harvest.validation import ACCEPTED, accept_vectorised, conform, records_table, row_sizes
 
 if TYPE_CHECKING:
     from ops.harvest.harvester import HarvestConfig
 
 
+COLUMN_OVERHEAD = 256  # bytes per column chunk that are not row data (headers, dictionary, statistics)
+
+
+def _too_large(group: pq.RowGroupMetaData, max_record_bytes: int) -> bool:
+    return group.total_byte_size > group.num_rows * max_record_bytes + group.num_columns * COLUMN_OVERHEAD
+
+
 def harvest_parquet(path: Path, rel: str, done_rows: int, batch: HarvestBatch, settings: HarvestConfig) -> int:
     """Harvest the rows after the first `done_rows`; returns the rows read in all."""
-    pf = pq.ParquetFile(path)
-    row0 = 0
-    for rb in pf.iter_batches(batch_size=settings.parquet_batch_rows):
-        t = pa.Table.from_batches([rb])
-        if row0 + t.num_rows <= done_rows:
-            row0 += t.num_rows
-            continue
-        if row0 < done_rows:
-            t, row0 = t.slice(done_rows - row0), done_rows
-        _harvest_rows(t, rel, row0, batch, settings)
-        row0 += t.num_rows
+    with open_regular(path) as f:
+        pf = pq.ParquetFile(f)
+        md = pf.metadata
+        row0 = 0
+        for g in range(md.num_row_groups):
+            group = md.row_group(g)
+            n = group.num_rows
+            if row0 + n <= done_rows:
+                row0 += n
+                continue
+            skip = max(done_rows - row0, 0)
+            if n and _too_large(group, settings.max_record_bytes):
+                batch.quarantine_rows(
+                    rel, row0 + skip + 1, n - skip, "oversized_row_group",
+                    f"row group {g}: {n} rows, {group.total_byte_size} bytes uncompressed "
+                    f"({group.total_byte_size // n} per row, above max_record_bytes {settings.max_record_bytes}); not decoded")
+                row0 += n
+                continue
+            for rb in pf.iter_batches(batch_size=settings.parquet_batch_rows, row_groups=[g]):
+                t = pa.Table.from_batches([rb])
+                if row0 + t.num_rows <= done_rows:
+                    row0 += t.num_rows
+                    continue
+                if row0 < done_rows:
+                    t, row0 = t.slice(done_rows - row0), done_rows
+                _harvest_rows(t, rel, row0, batch, settings)
+                row0 += t.num_rows
     return row0
 
 
