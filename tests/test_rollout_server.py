@@ -64,10 +64,12 @@ def server(home, base_policy_dir):
 
 
 @pytest.fixture(scope="module")
-def engine(server):
+def engine(server, home):
     from ops.rollout.server import ServerEngine
 
-    eng = ServerEngine([server.url], max_concurrency=16)
+    from ops.serving.api_key import api_key
+
+    eng = ServerEngine([server.url], max_concurrency=16, api_key=api_key(home.root))
     yield eng
     eng.close()
 
@@ -115,6 +117,24 @@ def test_refit_through_dev_endpoints(engine, base_policy_dir, tmp_path_factory):
     assert {r["policy_version"] for r in after} == {1}
     assert [r["behaviour_logprobs"] for r in after] != [r["behaviour_logprobs"] for r in before]
     assert max_logprob_diff(new_dir, after) < 1e-3
+
+
+def test_unauthenticated_refit_and_version_change_are_refused(engine, server, home):
+    import requests
+
+    from ops.serving.api_key import api_key
+
+    version = engine.policy_version
+    for path, body in (("/update_weight_version", {"new_version": "999"}),
+                       ("/collective_rpc", {"method": "reload_weights_repacked", "kwargs": {"weights_path": "/nonexistent"}}),
+                       ("/v1/models", None)):
+        for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+            r = requests.request("GET" if body is None else "POST", f"{server.url}{path}", json=body, headers=headers, timeout=30)
+            assert r.status_code == 401, (path, headers, r.text)
+    assert requests.get(f"{server.url}/health", timeout=30).status_code == 200
+    assert engine.policy_version == version, "the refused request changed nothing"
+    r = requests.get(f"{server.url}/weight_info", headers={"Authorization": f"Bearer {api_key(home.root)}"}, timeout=30)
+    assert r.status_code == 200
 
 
 def test_client_errors_are_clear(server):

@@ -79,8 +79,16 @@ class ServerEngine(RolloutEngine):
         max_concurrency: int = 64,
         restart: Callable[[], None] | None = None,
         refit_method: str = REFIT_METHOD,
+        api_key: str | None = None,
     ) -> None:
+        """`api_key`: sent as a Bearer token on every request; default: PERPETUA_VLLM_API_KEY,
+        else the key of this PERPETUA_HOME's servers (ops/serving/api_key.py)."""
         super().__init__(retry)
+        if api_key is None:
+            from ops.serving.api_key import api_key as home_key
+
+            api_key = home_key(create=False)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.refit_method = refit_method
         self.router = RoundRobin([base_urls] if isinstance(base_urls, str) else list(base_urls))
         self.request_timeout_s = request_timeout_s
@@ -101,6 +109,7 @@ class ServerEngine(RolloutEngine):
         s = getattr(self._local, "session", None)
         if s is None:
             s = self._local.session = requests.Session()
+            s.headers.update(self._headers)
         return s
 
     def _call(self, method: str, url: str, *, json=None, params=None, timeout: float | None = None):

