@@ -90,7 +90,7 @@ def cycle_row(cycle: int, result, traffic: dict, parent: str, wall: float) -> di
         return {k: v.value for k, v in mats[0].metadata.items()} if mats else {}
 
     harvested, rollouts, rewards = meta("harvested_failures"), meta("rollouts"), meta("verified_rewards")
-    report, deployed = meta("eval_report"), meta("deployment")
+    report, deployed, learner = meta("eval_report"), meta("deployment"), meta("policy_checkpoint")
     return {
         "cycle": cycle,
         "failures_harvested": harvested.get("harvested", 0),
@@ -104,6 +104,8 @@ def cycle_row(cycle: int, result, traffic: dict, parent: str, wall: float) -> di
         "gate_test": report.get("gate_test"),
         "deciding_set_size": report.get("deciding_set_size"),
         "known_failures_fixed": report.get("known_failures_fixed"),
+        "informative_samples": learner.get("samples_kept"),  # rollouts in groups with reward variance
+        "policy_entropy": learner.get("entropy"),
         "deployed": bool(deployed),
         "cost_usd": report.get("cycle_cost_usd"),
         "intelligence_per_dollar": report.get("intelligence_per_dollar"),
@@ -123,7 +125,8 @@ def print_row(row: dict) -> None:
     f = lambda x, spec=".3f": "-" if x is None else format(x, spec)  # noqa: E731
     ci = lambda c: "-" if not c else f"[{c[0]:.2f},{c[1]:.2f}]"  # noqa: E731
     print(f"cycle {row['cycle']}: harvested {row['failures_harvested']} failures, {row['rollouts']} rollouts, "
-          f"mean reward {f(row['mean_reward'])}")
+          f"mean reward {f(row['mean_reward'])}, {row['informative_samples'] or 0} informative samples, "
+          f"entropy {f(row['policy_entropy'])}")
     print(f"  champion {f(row['champion_score'])} {ci(row['champion_ci'])}  candidate {f(row['candidate_score'])} "
           f"{ci(row['candidate_ci'])}  gain CI {ci(row['gain_ci'])} ({row['gate_test']}, {row['deciding_set_size']} tasks)"
           f"  known failures fixed {'-' if not row['known_failures_fixed'] else '/'.join(map(str, row['known_failures_fixed']))}")

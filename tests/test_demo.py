@@ -30,7 +30,7 @@ perpetua_cycle:
 # docs/architecture.md, `demo --summary FILE` (fixed keys).
 CYCLE_KEYS = {"cycle", "failures_harvested", "rollouts", "mean_reward", "champion_score", "candidate_score", "gain_ci",
               "deployed", "cost_usd", "intelligence_per_dollar", "policy_version", "dagster_run_id", "mlflow_run_id",
-              "gate_test", "deciding_set_size", "known_failures_fixed"}
+              "gate_test", "deciding_set_size", "known_failures_fixed", "informative_samples"}
 
 
 def _free_port() -> int:
@@ -70,6 +70,7 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
     assert CYCLE_KEYS <= set(row) and row["cycle"] == 1 and row["policy_version"] == 1
     assert row["rollouts"] == 16 * 4 and row["cost_usd"] > 0 and len(row["gain_ci"]) == 2
     assert row["gate_test"] == "exact-mcnemar" and row["deciding_set_size"] > 0 and len(row["known_failures_fixed"]) == 2
+    assert 0 <= row["informative_samples"] <= row["rollouts"]
     assert row["run_outcome"] in ("success", "gate-blocked") and row["deployed"] == (row["run_outcome"] == "success")
     assert {r["cycle"] for r in summary["production_failure_rate"]} == {1, 2}  # before cycle 1, and after it
     assert summary["automation"] == {"retraining_sensor": "RUNNING", "harvest_schedule": "RUNNING",
