@@ -109,7 +109,7 @@ def test_two_writers_racing_for_one_policy_version(tmp_path):
     assert json.loads((target / "config.json").read_text())["writer"] == "a"
     back = hf_convert.hf_to_megatron(cfg, hf_convert.load_hf_tensors(target))
     assert torch.equal(back["output_layer.weight"], sd_a["output_layer.weight"])
-    assert sorted(p.name for p in target.parent.iterdir() if not p.name.startswith(".")) == ["hf"]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["hf"]
 
 
 def test_replace_swaps_an_export(tmp_path):
@@ -119,4 +119,4 @@ def test_replace_swaps_an_export(tmp_path):
     hf_convert.export_hf(cfg, sd, tmp_path / "hf", extra={"writer": "a"})
     hf_convert.export_hf(cfg, sd, tmp_path / "hf", extra={"writer": "b"}, replace=True)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["writer"] == "b"
-    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["hf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

@@ -3,8 +3,8 @@
 A file is written to a temporary sibling, flushed and fsynced, renamed over its final name and
 the directory fsynced, so a reader (or a machine that lost power) sees either the old bytes or
 all of the new ones. A versioned directory (a policy export, a learner checkpoint step) is
-written to a `.partial` sibling under an exclusive lock and renamed into place only if nothing
-is there yet: two writers racing for one version leave one winner with its files intact and
+written to a `.partial` sibling that its writer holds locked, and renamed into place only if
+nothing is there yet: two writers racing for one version leave one winner with its files intact and
 give the other an `ArtifactConflict`; no writer deletes another's version.
 """
 
@@ -125,25 +125,51 @@ def exclusive_dir(target: Path, replace: bool = False) -> Iterator[Path]:
     `replace` is false. On a clean exit every file is fsynced and the partial directory renamed
     into place (with `replace`, the old directory is first moved aside and then removed). On an
     error the partial directory is left for the next claimant to clear: a crash looks the same.
-    The claim is an flock on `.<name>.lock` beside `target`, released when the process dies."""
+
+    The claim is an flock on the partial directory itself, released when the process dies; no
+    lock file is left beside the versions. A claimant checks that the directory it locked is
+    still the one at the partial path (not one a winner has just renamed into place)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    lock = open(target.with_name(f".{target.name}.lock"), "a+")
+    partial = partial_dir(target)
+    partial.mkdir(exist_ok=True)
+    try:
+        fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:  # published by a winner between the mkdir and the open
+        raise _conflict(target) from None
     try:
         try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ArtifactConflict(f"{target}: another writer is writing it now") from None
+        try:
+            same = os.stat(partial).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:  # what we locked was renamed into place by its writer meanwhile
+            raise _conflict(target)
+        _clear(partial)  # left by a writer that died: we hold the claim, nobody writes it
         if target.exists() and not replace:
-            raise ArtifactConflict(f"{target} exists already: this version was written by another writer")
-        partial = partial_dir(target)
-        if partial.exists():  # left by a writer that died: we hold the claim, nobody writes it
-            shutil.rmtree(partial)
-        partial.mkdir()
+            partial.rmdir()
+            raise _conflict(target)
         yield partial
         publish_dir(partial, target, replace=replace)
     finally:
-        lock.close()
+        os.close(fd)
+
+
+def _conflict(target: Path) -> ArtifactConflict:
+    if target.exists():
+        return ArtifactConflict(f"{target} exists already: this version was written by another writer")
+    return ArtifactConflict(f"{target}: another writer is writing it now")
+
+
+def _clear(folder: Path) -> None:
+    for child in folder.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
 
 
 def publish_dir(partial: Path, target: Path, replace: bool = False) -> None:
