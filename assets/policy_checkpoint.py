@@ -70,19 +70,19 @@ def _mlflow_run(context, config: PolicyCheckpointConfig, cycle: int, learner_cfg
     from ops.common import tracking
 
     uri = tracking.tracking_uri(config.mlflow_tracking_uri)
-    tags = tracking.dagster_tags(context.run_id, "policy_checkpoint") | {tracking.TAG_CYCLE: str(cycle)}
+    tags = tracking.dagster_tags(context.run.run_id, "policy_checkpoint") | {tracking.TAG_CYCLE: str(cycle)}
     params = {"learner": json.loads(learner_cfg.model_dump_json()), "cycle": cycle}
     parent = config.mlflow_parent_run_id or cycle_run_id(context, uri, config.mlflow_experiment, cycle)
     c = tracking.client(uri)
     if parent:
         parent_run = c.get_run(parent)
-        run = c.create_run(parent_run.info.experiment_id, run_name="policy_checkpoint",
+        run = c.create_run(parent_run.info.experiment_id, run_name="learn",
                            tags={tracking.TAG_PARENT: parent, tracking.TAG_KIND: "stage",
-                                 tracking.TAG_STAGE: "policy_checkpoint"} | tags)
+                                 tracking.TAG_STAGE: "learn"} | tags)
     else:
         experiment_id = tracking.ensure_experiment(uri, config.mlflow_experiment)
-        run = c.create_run(experiment_id, run_name="policy_checkpoint",
-                           tags={tracking.TAG_KIND: "stage", tracking.TAG_STAGE: "policy_checkpoint"} | tags)
+        run = c.create_run(experiment_id, run_name="learn",
+                           tags={tracking.TAG_KIND: "stage", tracking.TAG_STAGE: "learn"} | tags)
     tracking.RunLog(uri, run.info.run_id).log_params(params)
     return uri, run.info.run_id
 
@@ -133,12 +133,12 @@ def policy_checkpoint(
         init_checkpoint=latest_complete(base / "checkpoint"),
         checkpoint_dir=h.models / "learner",
         export_root=h.models / "policy",
-        result_path=jobs / f"{context.run_id}.result.json",
+        result_path=jobs / f"{context.run.run_id}.result.json",
         mlflow_tracking_uri=uri,
         mlflow_run_id=run_id,
         cycle=cycle,
     )
-    job_path = jobs / f"{context.run_id}.json"
+    job_path = jobs / f"{context.run.run_id}.json"
     job_path.write_text(job.model_dump_json(indent=2))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                str(config.nproc_per_node), "-m", "ops.learn.main", "--config", str(job_path)]
