@@ -26,6 +26,8 @@ class HarvestedFailuresConfig(dg.Config):
                                             "else the running local MLflow server, else PERPETUA_HOME/mlflow).")
     mlflow_trace_experiments: list[str] = Field(default=[], description="Also harvest MLflow traces from these experiments.")
     max_record_bytes: int = Field(default=1 << 20, description="Larger records are quarantined as oversized.")
+    quiet_seconds: float = Field(default=300.0, ge=0, description="A JSONL file's last line without a newline is taken as "
+                                 "final once the file has not changed for this long; until then it waits.")
 
 
 @dg.asset(
@@ -44,7 +46,8 @@ def harvested_failures(context: dg.AssetExecutionContext, config: HarvestedFailu
         uri = tracking.tracking_uri(config.mlflow_tracking_uri)
         mlflow = MlflowTraceSource(tracking_uri=uri, experiment_names=config.mlflow_trace_experiments)
     try:
-        result = harvest(HarvestConfig(known_model_versions=known, max_record_bytes=config.max_record_bytes, mlflow=mlflow))
+        result = harvest(HarvestConfig(known_model_versions=known, max_record_bytes=config.max_record_bytes,
+                                       quiet_seconds=config.quiet_seconds, mlflow=mlflow))
     except HarvestError as e:  # no known model version: nothing read, the landing zone kept
         raise dg.Failure(description=f"{e} (known versions from: {known_from})") from None
     return dg.MaterializeResult(metadata=harvest_metadata(result, sorted(known), known_from), data_version=dg.DataVersion(result.data_version))
