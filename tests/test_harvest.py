@@ -446,3 +446,23 @@ def test_a_parquet_row_group_too_large_for_its_rows_is_rejected_undecoded(perpet
     entry = json.loads(result.quarantine_path.read_text())
     assert entry["rows"] == 4 and entry["line"] == 4 and "not decoded" in entry["raw"] and "qqqq" not in entry["raw"]
     assert harvest(SETTINGS).counts.read == 0
+
+
+def test_appends_cut_anywhere_harvest_every_record_once(perpetua_home):
+    """Blocks smaller than the file, cuts inside lines and at block edges: appending piece by
+    piece harvests each record once and quarantines nothing."""
+    path = home().landing / "pieces.jsonl"
+    whole = lines(*[rec(i, question=f"{TASKS[i % len(TASKS)].question}") for i in range(40)])
+    settings = SETTINGS.model_copy(update={"block_bytes": 4096})
+    cuts = sorted({len(whole) * k // 7 + k for k in range(1, 7)} | {4096, 4097, 8191})
+    done, start = 0, 0
+    for cut in [*cuts, len(whole)]:
+        with open(path, "ab") as f:
+            f.write(whole[start:cut])
+        start = cut
+        c = harvest(settings).counts
+        assert c.quarantined == 0 and c.conserved
+        done += c.read
+    assert done == 40
+    assert sorted(t for ids in read_failures()["trace_ids"].to_pylist() for t in ids) == sorted(f"tr-{i}" for i in range(40)
+                                                                                               if rec(i)["outcome"] == "failure")
