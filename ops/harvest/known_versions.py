@@ -25,15 +25,15 @@ def resolve_known_versions(
     """The model versions a harvest accepts, and where they came from.
 
     In order: an explicit list; env PERPETUA_KNOWN_MODEL_VERSIONS (comma-separated); the MLflow
-    registry (`tracking_uri`, else env MLFLOW_TRACKING_URI, else PERPETUA_HOME/mlflow/mlflow.db
-    if it exists). With none of them every record is quarantined as unknown_model_version."""
+    registry where the project's one rule finds it (ops.common.tracking.tracking_uri: `tracking_uri`,
+    MLFLOW_TRACKING_URI, this home's running server, its SQLite store if it exists). With none of
+    them there is no known version, and the harvest refuses to run rather than quarantine."""
     if explicit is not None:
         return frozenset(explicit), "explicit"
     env = os.environ.get("PERPETUA_KNOWN_MODEL_VERSIONS")
     if env is not None:
         return frozenset(v.strip() for v in env.split(",") if v.strip()), "env PERPETUA_KNOWN_MODEL_VERSIONS"
-    db = (home or default_home()).mlflow / "mlflow.db"
-    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (f"sqlite:///{db}" if db.exists() else None)
+    uri = tracking.existing_tracking_uri(tracking_uri, home or default_home())
     if uri is None:
         return frozenset(), "none (no registry found)"
     return frozenset(registry_model_versions(uri, model_name)), f"registry {model_name} at {uri}"

@@ -98,8 +98,3 @@ class LearnerJob(BaseModel):
         if (self.mlflow_tracking_uri is None) != (self.mlflow_run_id is None):
             raise ValueError("give both mlflow_tracking_uri and mlflow_run_id, or neither")
         return self
-
-
-def policy_dir(export_root: Path, version: int) -> Path:
-    """Where policy `version` is exported in HF format (PERPETUA_HOME/models/policy/vNNNN/hf)."""
-    return Path(export_root) / f"v{version:04d}" / "hf"

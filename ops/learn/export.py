@@ -55,7 +55,7 @@ def parent_data_version(export_root: Path, version_in: int) -> str | None:
     """The data version of the policy_checkpoint materialization a step continues from: the
     hash of version_in's export (what that materialization reported). None from the base policy,
     which is an input of its own."""
-    from ops.learn.config import policy_dir
+    from ops.policy.versions import policy_dir
 
     weights = policy_dir(export_root, version_in) / "model.safetensors"
     return file_hash(weights) if version_in > 0 and weights.exists() else None

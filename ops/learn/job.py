@@ -34,7 +34,8 @@ import torch
 
 from ops.learn import world
 from ops.learn.batch import TrainingBatch, build_training_batch, read_batch_tables
-from ops.learn.config import LearnerJob, policy_dir
+from ops.learn.config import LearnerJob
+from ops.policy.versions import policy_dir
 from ops.learn.errors import LearnerError
 from ops.learn.export import TokenizerFiles, export_policy, parent_data_version
 from ops.learn.metrics import scalar_metrics

@@ -6,9 +6,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ops.learn.config import policy_dir
 from ops.common.paths import Home, home as current_home
 from ops.common.tracking import REGISTERED_MODEL  # noqa: F401  (the registered model of deployed policies)
+
+
+def policy_dir(export_root: Path, version: int) -> Path:
+    """Where policy `version` is exported in HF format (PERPETUA_HOME/models/policy/vNNNN/hf)."""
+    return Path(export_root) / f"v{version:04d}" / "hf"
 
 
 def hf_dir(version: int, h: Home | None = None) -> Path:
