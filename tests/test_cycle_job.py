@@ -89,7 +89,7 @@ def test_one_cycle_through_dagster(perpetua_home, base_policy_dir, monkeypatch):
             datasets = {d.dataset.name for d in eval_run.inputs.dataset_inputs}
             assert datasets == {"rollouts-cycle1", "rewards-cycle1"}
             model = c.get_logged_model(report["mlflow_logged_model_id"])
-            assert model.name == "policy-v1" and any(m.key == "target.pass_at_1" for m in model.metrics)
+            assert model.name == "policy-v1" and any(m.key == "deciding.pass_at_1" for m in model.metrics)
             assert "plots/intelligence_per_dollar.png" in [a.path for a in c.list_artifacts(parent.info.run_id, "plots")]
     finally:
         for p in ports:

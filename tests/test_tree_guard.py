@@ -11,7 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import conftest
+import importlib.util
+
+# The suite's own conftest, by path: the module name `conftest` may be another conftest the
+# session imported (the SWE fixture repository has one).
+_spec = importlib.util.spec_from_file_location("perpetua_tests_conftest", Path(__file__).with_name("conftest.py"))
+conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(conftest)
 
 LITTER = '''
 from pathlib import Path

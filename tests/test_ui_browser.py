@@ -4,8 +4,8 @@ A temporary PERPETUA_HOME gets one harvest (production_traces observed, harveste
 materialized through the `harvest` job); `dagster-webserver -w workspace.yaml` serves it on a
 free port on 127.0.0.1; Playwright drives Debian's Chromium (/usr/bin/chromium; no browser
 download) through the global asset lineage, the automation list, the retraining sensor and the
-materialization, and asserts what a user would read there. Screenshots go to tmp_path and are
-copied to test-output/ui/ (git-ignored) for a look.
+materialization, and asserts what a user would read there. Screenshots go to tmp_path; set
+PERPETUA_UI_SHOTS=DIR to keep a copy for a look (e.g. to refresh docs/ui/).
 """
 
 from __future__ import annotations
@@ -196,8 +196,9 @@ def test_dagster_ui_shows_the_graph_the_sensor_and_a_materialization(webserver, 
         finally:
             browser.close()
 
-    out = ROOT / "test-output" / "ui"
-    out.mkdir(parents=True, exist_ok=True)
+    keep = os.environ.get("PERPETUA_UI_SHOTS")
     for png in shots.glob("*.png"):
         assert png.stat().st_size > 10_000, png  # a real rendering, not an empty page
-        shutil.copy2(png, out / png.name)
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(png, Path(keep) / png.name)
