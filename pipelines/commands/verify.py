@@ -23,15 +23,23 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
+def _read_text(path: Path, what: str) -> str:
+    """The text of a user's file (`-`: standard input), or one clear line saying why not."""
+    import sys
+
+    try:
+        return sys.stdin.read() if str(path) == "-" else path.read_text()
+    except FileNotFoundError:
+        raise UserError(f"{what} file not found: {path}") from None
+    except IsADirectoryError:
+        raise UserError(f"{what} file is a directory: {path}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{what} file is not UTF-8 text: {path}") from None
+
+
 def _read_task(path: Path) -> dict:
     try:
-        task = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"task file not found: {path}") from None
-    except IsADirectoryError:
-        raise UserError(f"task file is a directory: {path}") from None
-    except UnicodeDecodeError:
-        raise UserError(f"task file is not UTF-8 text: {path}") from None
+        task = json.loads(_read_text(path, "task"))
     except json.JSONDecodeError as e:
         raise UserError(f"task file {path} is not JSON: {e}") from None
     if not isinstance(task, dict):
@@ -40,16 +48,7 @@ def _read_task(path: Path) -> dict:
 
 
 def _read_response(path: Path) -> str:
-    import sys
-
-    try:
-        return sys.stdin.read() if str(path) == "-" else path.read_text()
-    except FileNotFoundError:
-        raise UserError(f"response file not found: {path}") from None
-    except IsADirectoryError:
-        raise UserError(f"response file is a directory: {path}") from None
-    except UnicodeDecodeError:
-        raise UserError(f"response file is not UTF-8 text: {path}") from None
+    return _read_text(path, "response")
 
 
 def score_one(verifier: str, task: dict, response: str, task_dir: Path) -> dict:
