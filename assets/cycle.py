@@ -47,3 +47,9 @@ def cycle_of(context, explicit: int | None = None, upstream: str | None = None,
         dg.RunsFilter(job_name=CYCLE_JOB, created_before=run.create_timestamp)
     ) if run else 0
     return before + 1
+
+
+def own_run_ids(context) -> set[str]:
+    """This run and the runs it re-executes: whose outputs a step of this run may act on."""
+    run = context.run
+    return {run.run_id, run.parent_run_id, run.root_run_id} - {None}

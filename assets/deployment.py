@@ -5,7 +5,7 @@ the registry and the served model as they were (ops/deploy/deploy.py)."""
 
 import dagster as dg
 
-from assets.cycle import cycle_of
+from assets.cycle import cycle_of, own_run_ids
 from assets.cycle_run import cycle_run_id
 from assets.metering import cost_metadata, metered
 from ops.common.paths import home
@@ -27,9 +27,8 @@ def deployment(context: dg.AssetExecutionContext, production_server: PolicyServe
     """Register, refit production, verify the served version, move the alias."""
     cycle = cycle_of(context)
     uri = mlflow.uri()
-    run_ids = {context.run.run_id, context.run.parent_run_id, context.run.root_run_id} - {None}
     try:  # only what this run (or the run it re-executes) evaluated for this cycle
-        report = reports.read_cycle_report(home().data, cycle, run_ids)
+        report = reports.read_cycle_report(home().data, cycle, own_run_ids(context))
     except reports.ReportError as e:
         raise dg.Failure(str(e)) from None
     if not report["gate"]["passed"]:

@@ -11,7 +11,7 @@ from collections import Counter
 
 import dagster as dg
 
-from assets.cycle import cycle_of
+from assets.cycle import cycle_of, own_run_ids
 from assets.cycle_run import cycle_run_id
 from assets.metering import cost_metadata, metered
 from assets.resources import MlflowTracking, PolicyServer
@@ -90,13 +90,14 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
     the known-failures slice, the cycle's measured cost and its intelligence per dollar."""
     uri = mlflow.uri()
     champion_registry_version, champion = champion_policy_version(uri)
-    sets = eval_sets(config.eval_config(), *harvested())
+    cfg = config.eval_config()
+    sets = eval_sets(cfg, *harvested())
     if context.run.job_name == NIGHTLY_EVAL_JOB:
-        return _champion_check(context, config, trainer_server, uri, champion, champion_registry_version, sets)
+        return _champion_check(context, cfg, trainer_server, champion, champion_registry_version, sets)
     cycle = cycle_of(context)
     candidate = policies.latest_version()
     with metered("evaluate", cycle, [trainer_server.server_pid()]) as meter:
-        champ, cand, ref = _score_policies(trainer_server, config.eval_config(), sets, champion, candidate)
+        champ, cand, ref = _score_policies(trainer_server, cfg, sets, champion, candidate)
         meter.add_tokens(champ.tokens + cand.tokens + (ref.tokens if ref else 0))
     gate = config.gate_config()
     decision = decide(cand.samples["deciding"], champ.samples["deciding"], cand.samples["guard"],
@@ -200,12 +201,12 @@ def _log_campaign(uri: str, experiment: str, parent: str, record: CycleRecord, c
     return plot
 
 
-def _champion_check(context, config: EvalReportConfig, server: PolicyServer, uri: str, champion: int,
+def _champion_check(context, cfg: EvalConfig, server: PolicyServer, champion: int,
                     champion_registry_version: str | None, sets: EvalSets) -> dg.MaterializeResult:
     """The scheduled eval of the serving champion: its own report kind, no cycle, no campaign record."""
     tokenizer = load_hf_tokenizer(policies.hf_dir(champion))
     engine = server.engine(policies.hf_dir(champion), champion)
-    champ = evaluate_policy(engine, tokenizer, policies.hf_dir(champion), champion, sets.sets, config.eval_config())
+    champ = evaluate_policy(engine, tokenizer, policies.hf_dir(champion), champion, sets.sets, cfg)
     report = reports.champion_report(dagster_run_id=context.run.run_id, champion=champ,
                                      champion_registry_version=champion_registry_version, sets=sets)
     path = reports.write_report(reports.champion_report_path(home().data, context.run.run_id), report)
@@ -227,8 +228,7 @@ def deploy_gate(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
         return dg.AssetCheckResult(passed=True, metadata={"reason": "scheduled champion eval: no candidate to gate"})
     cycle = cycle_of(context)
     try:
-        run_ids = {context.run.run_id, context.run.parent_run_id, context.run.root_run_id} - {None}
-        report = reports.read_cycle_report(home().data, cycle, run_ids)
+        report = reports.read_cycle_report(home().data, cycle, own_run_ids(context))
     except reports.ReportError as e:
         return dg.AssetCheckResult(passed=False, severity=dg.AssetCheckSeverity.ERROR, metadata={"reason": str(e)})
     gate = report["gate"]

@@ -1,8 +1,8 @@
 """Accounting: the dollars of a cycle, and intelligence per dollar of a cycle and a campaign.
 
 This module is the one place intelligence per dollar is computed. For a cycle, (candidate
-score - champion score on the target eval set) / dollars spent in the cycle; over a campaign,
-(latest deployed champion score - first champion score) / total spend. Scores are pass@1
+score - champion score on the deciding set, a paired gain) / dollars spent in the cycle; over a
+campaign, the sum of the deployed cycles' gains / total spend. Scores are pass@1
 fractions, so the unit is "pass@1 per dollar" (multiply by 100 for points per dollar). A spend
 that is not positive is an error, not a division by zero: it means a stage ran unmetered or the
 price table is empty.

@@ -57,7 +57,7 @@ def ipd_figure(records: Sequence[CycleRecord] | Campaign, title: str = "Intellig
         ys = [r.candidate_score for r in recs if r.deployed is deployed]
         if xs:
             top.plot(xs, ys, "s", color=CANDIDATE_COLOR, markerfacecolor=marker_face, markersize=7, label=label)
-    top.set_ylabel("pass@1 on target set")
+    top.set_ylabel("pass@1 on the deciding set")
     top.set_ylim(0.0, 1.02)
     top.grid(alpha=0.3)
 

@@ -11,10 +11,10 @@ Two kinds, never mixed up:
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
+from ops.common.atomic import atomic_write_text
 from ops.evaluate.gate import GateConfig, GateDecision
 from ops.evaluate.sets import EvalSets, PolicyEval
 
@@ -80,15 +80,9 @@ def champion_report(*, dagster_run_id: str, champion: PolicyEval, champion_regis
 
 
 def write_report(path: Path, report: dict) -> Path:
-    """Write atomically (temporary sibling, fsync, rename): a reader sees the old report or the
-    whole new one, never half of one."""
+    """Write atomically (ops/common/atomic.py): a reader sees the old report or the whole new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(report, indent=2, default=str))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(report, indent=2, default=str))
     return path
 
 

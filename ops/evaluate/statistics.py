@@ -111,9 +111,9 @@ class FamilyScores(BaseModel):
 
 
 class EvalScores(BaseModel):
-    """One policy's score on one eval set (target or guard), with uncertainty and breakdown."""
+    """One policy's score on one eval set (deciding, guard or a reported slice), with uncertainty and breakdown."""
 
-    name: Annotated[str, Field(description="Which set: e.g. 'target' or 'guard'.")]
+    name: Annotated[str, Field(description="Which set: e.g. 'deciding' or 'guard'.")]
     eval_set_hash: Annotated[str, Field(description="eval_set_hash of the task ids: the set's version.")]
     n_tasks: Annotated[int, Field(description="Distinct tasks in the set.")]
     n: Annotated[int, Field(description="Sampled episodes (trials) over all tasks.")]

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -34,6 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
+from ops.common.atomic import atomic_path, atomic_write_text
 from ops.common.paths import Home, home as default_home
 from ops.common.tables import read_table, table_hash
 from ops.tasks.task_world import BOOTSTRAP_FAMILIES, FAMILIES, Task, ToolError, calc, generate_tasks, normalize_question
@@ -292,13 +292,10 @@ def build_and_write_training_tasks(
     folder = h.data / "training_tasks"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"tasks-{task_set.data_version}.parquet"
-    tmp = folder / f".{path.name}.tmp"
-    pq.write_table(task_set.table, tmp, use_compliant_nested_type=False)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        pq.write_table(task_set.table, tmp, use_compliant_nested_type=False)
     new_pointer = {"path": str(path), "data_version": task_set.data_version, "failures_version": failures_version, "previous_path": previous_path}
-    tmp = folder / ".current.json.tmp"
-    tmp.write_text(json.dumps(new_pointer, indent=1))
-    os.replace(tmp, folder / "current.json")
+    atomic_write_text(folder / "current.json", json.dumps(new_pointer, indent=1))
     return task_set, path
 
 
