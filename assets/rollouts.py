@@ -1,28 +1,48 @@
-"""`rollouts`: the current policy attempts the cycle's training tasks, G times each, on vLLM."""
+"""`rollouts`: the current policy attempts the cycle's training tasks, G times each, on vLLM, in
+rounds until the batch can teach (ops/rollout/dynamic.py)."""
 
 import dagster as dg
+from pydantic import Field
 
 from assets.cycle import cycle_of
 from assets.metering import cost_metadata, metered
-from ops.policy import versions as policies
-from ops.common.paths import home
-from ops.rollout.groups import SamplingConfig, generate_groups
-from ops.common.tables import ROLLOUTS, table_hash, write_table
-from ops.policy.tokenizer import load_hf_tokenizer
-from ops.tasks.sampling import NoTrainingTasks, sample_train_tasks
-from ops.reward.scoring import rollouts_path
 from assets.resources import PolicyServer
+from ops.common.paths import home
+from ops.common.tables import ROLLOUTS, table_hash, write_table
+from ops.policy import versions as policies
+from ops.policy.tokenizer import load_hf_tokenizer
+from ops.reward.isolation import SandboxUnavailable
+from ops.reward.sandbox import Sandbox
+from ops.reward.scoring import load_ground_truth, rollouts_path, screen_rewards
+from ops.rollout.curriculum import CurriculumConfig, read_history
+from ops.rollout.dynamic import DynamicSamplingConfig, sample_informative
+from ops.rollout.groups import SamplingConfig, rollouts_table
+from ops.tasks.sampling import NoTrainingTasks, train_tasks
 
-CODE_VERSION = "rollouts-1"
+CODE_VERSION = "rollouts-2"
 
 
 class RolloutsConfig(dg.Config):
-    group_size: int = 8
-    max_tasks: int = 48
+    group_size: int = Field(default=8, description="Samples per task (G of GRPO).")
+    max_tasks: int = Field(default=48, description="Groups sampled in the first round.")
+    min_informative_groups: int = Field(default=32, description="Refill rounds until this many groups have reward "
+                                        "variance (0 = one round).")
+    max_rounds: int = Field(default=3, description="Sampling rounds at most.")
+    max_groups: int = Field(default=96, description="Groups in all rounds at most.")
+    guide_after: int = Field(default=1, description="Write the reference solution into the group of a task that "
+                             "failed every sample this many groups in a row (0 = no guidance).")
+    curriculum: bool = Field(default=True, description="Weight tasks by estimated pass rate (False = uniform).")
     temperature: float = 1.0
     top_p: float = 1.0
     max_tokens: int = 64
     seed: int = 0
+
+
+def dynamic_config(config: RolloutsConfig) -> DynamicSamplingConfig:
+    return DynamicSamplingConfig(
+        max_tasks=config.max_tasks, min_informative_groups=config.min_informative_groups,
+        max_rounds=config.max_rounds, max_groups=config.max_groups, guide_after=config.guide_after,
+        curriculum=CurriculumConfig(enabled=config.curriculum))
 
 
 @dg.asset(
@@ -32,40 +52,67 @@ class RolloutsConfig(dg.Config):
     deps=[dg.AssetKey("training_tasks"), dg.AssetKey("base_policy")],
 )
 def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_server: PolicyServer) -> dg.MaterializeResult:
-    """G episodes per training task by the newest policy, on the long-lived vLLM engine (refit in
-    place to that version; the engine refuses stale weights). Token ids, behaviour log-probs and
-    loss masks per episode; every episode is a row, broken ones with their reason."""
+    """G episodes per chosen training task by the newest policy, on the long-lived vLLM engine (refit
+    in place to that version; the engine refuses stale weights), screened by the verifiers and
+    refilled until enough groups carry signal; never-solved tasks get their reference solution in
+    the group. Token ids, behaviour log-probs and loss masks per episode; every episode is a row,
+    broken ones with their reason."""
     cycle = cycle_of(context)
     version = policies.latest_version()
     model_dir = policies.hf_dir(version)
+    data = home().data
     try:
-        tasks = sample_train_tasks(config.max_tasks, cycle)
+        pool = train_tasks()
     except NoTrainingTasks as e:
         raise dg.Failure(str(e)) from None
+    dynamic = dynamic_config(config)
     sampling = SamplingConfig(group_size=config.group_size, temperature=config.temperature, top_p=config.top_p,
                               max_tokens=config.max_tokens, seed=config.seed)
+    history = read_history(data, cycle, dynamic.curriculum.history_cycles)
+    truth = load_ground_truth(data)
+    try:
+        sandbox = Sandbox()
+    except SandboxUnavailable as e:
+        raise dg.Failure(f"cannot screen rollouts: {e}") from None
     with metered("rollout", cycle, [trainer_server.server_pid()]) as meter:
         engine = trainer_server.engine(model_dir, version)
-        context.log.info(f"cycle {cycle}: {len(tasks)} tasks x {config.group_size} samples by policy v{version}")
-        batch = generate_groups(engine, load_hf_tokenizer(model_dir), tasks, sampling, cycle=cycle,
-                                require_version=version)
+        context.log.info(f"cycle {cycle}: {len(pool)} training tasks, {config.group_size} samples per task, "
+                         f"by policy v{version}; history of cycles {list(history.cycles)}")
+        batch = sample_informative(engine, load_hf_tokenizer(model_dir), pool, history, dynamic, sampling,
+                                   lambda rows: screen_rewards(rows, truth, sandbox=sandbox),
+                                   cycle=cycle, version=version, log=context.log.info)
         meter.add_tokens(batch.total_tokens)
-    table = write_table(batch.table(), ROLLOUTS, rollouts_path(home().data, cycle))
-    rewards_seen = sum(1 for r in batch.rows if r["final_answer"] is not None)
+    if batch.exhausted:
+        context.log.warning(f"cycle {cycle}: {batch.informative_groups} informative groups, fewer than the "
+                            f"{dynamic.min_informative_groups} wanted (stopped: {batch.exhausted}); training on what "
+                            "was sampled")
+    table = write_table(rollouts_table(batch.rows), ROLLOUTS, rollouts_path(data, cycle))
+    policy_rows = [r for r in batch.rows if r["source"] == "policy"]
+    finish = {}
+    for r in policy_rows:
+        finish[r["finish_reason"]] = finish.get(r["finish_reason"], 0) + 1
     return dg.MaterializeResult(
         metadata={
             "cycle": cycle,
             "policy_version": version,
             "rollouts": len(batch.rows),
-            "groups": len(tasks),
+            "policy_rollouts": len(policy_rows),
+            "reference_rollouts": len(batch.rows) - len(policy_rows),
+            "groups": batch.groups,
+            "informative_groups": batch.informative_groups,
+            "guided_groups": len(batch.guided_tasks),
+            "rounds": dg.MetadataValue.json([r.record() for r in batch.rounds]),
+            "refill_stopped": batch.exhausted or "target reached",
+            "task_choices": dg.MetadataValue.json([c.record() for c in batch.choices]),
             "group_size": config.group_size,
             "completion_tokens": batch.completion_tokens,
             "tokens_per_second": dg.MetadataValue.float(batch.completion_tokens / max(batch.seconds, 1e-9)),
             "generation_seconds": dg.MetadataValue.float(batch.seconds),
-            "finish_reasons": dg.MetadataValue.json(batch.finish_reasons),
-            "episodes_with_answer": rewards_seen,
+            "finish_reasons": dg.MetadataValue.json(finish),
+            "episodes_with_answer": sum(1 for r in policy_rows if r["final_answer"] is not None),
             "sampling": dg.MetadataValue.json(sampling.model_dump()),
-            "path": dg.MetadataValue.path(str(rollouts_path(home().data, cycle))),
+            "dynamic_sampling": dg.MetadataValue.json(dynamic.model_dump()),
+            "path": dg.MetadataValue.path(str(rollouts_path(data, cycle))),
             **cost_metadata(meter),
         },
         data_version=dg.DataVersion(table_hash(table)),

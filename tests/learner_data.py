@@ -68,3 +68,30 @@ def with_behaviour_logprobs(rollouts: pa.Table, logprobs: dict[tuple[str, int], 
         new = logprobs[(r["group_id"], r["sample_index"])]
         r["behaviour_logprobs"] = [lp if m else 0.0 for lp, m in zip(new, r["loss_mask"])]
     return pa.Table.from_pylist(rows, schema=rollouts.schema)
+
+
+def learner_ratio_error(hf_dir, rows: list[dict], *, temperature: float | None = None) -> float:
+    """Largest |log importance ratio| = |learner log-prob - behaviour log-prob| over the trained
+    tokens of rollout rows, with the learner (megatron, the policy in `hf_dir`) scoring each row at
+    its recorded sampling temperature (or at `temperature` when given)."""
+    from ops.learn.batch import TrainingSample
+    from ops.learn.config import LearnerConfig
+    from ops.learn.step import Learner
+    from ops.policy import hf_convert
+    from ops.policy.model import init_single_process
+    from ops.policy.sequences import Sequence
+
+    init_single_process(0)
+    policy, sd = hf_convert.import_hf(hf_dir)
+    learner = Learner(policy, LearnerConfig())
+    learner.load_weights(sd)
+    samples = [TrainingSample(r["group_id"], r["sample_index"],
+                              Sequence(r["prompt_ids"], r["completion_ids"], r["loss_mask"]), r["behaviour_logprobs"],
+                              0.0, 0.0, r["policy_version"], temperature=temperature or r["temperature"])
+               for r in rows]
+    worst = 0.0
+    for s, lps in zip(samples, learner.completion_logprobs(samples)):
+        for lp, beh, m in zip(lps, s.behaviour_logprobs, s.sequence.loss_mask):
+            if m:
+                worst = max(worst, abs(lp - beh))
+    return worst

@@ -7,16 +7,14 @@ import pytest
 
 from ops.tasks import task_world
 from ops.rollout.engine import (
-    EngineFailure,
     EngineUnavailable,
     PolicyVersionError,
-    RetryPolicy,
-    RolloutEngine,
     StalePolicyError,
     TurnRequest,
     TurnResult,
 )
 from ops.rollout.episodes import EpisodeRunner, EpisodeConfig
+from scripted_engine import ScriptedEngine
 from ops.rollout.groups import SamplingConfig, generate_groups, rollouts_table, sample_seed
 from ops.common.tables import ROLLOUTS
 
@@ -28,52 +26,6 @@ def tokenizer(tmp_path_factory):
     out = tmp_path_factory.mktemp("tok")
     tok_lib.save_hf_tokenizer(tok_lib.train_tokenizer(512), out)
     return tok_lib.load_hf_tokenizer(out)
-
-
-class ScriptedEngine(RolloutEngine):
-    """Answers each turn with `script(prompt_text, request)` -> text, tokenized like a model would.
-
-    The text is cut at the first stop token (kept, as vLLM keeps it) or at max_tokens.
-    """
-
-    def __init__(self, tokenizer, script, version=3, fail_times=0, max_len=256):
-        super().__init__(RetryPolicy(max_retries=2, timeout_s=None))
-        self.tok, self.script, self.version, self.fail_times, self.max_len = tokenizer, script, version, fail_times, max_len
-        self.calls: list[list[TurnRequest]] = []
-        self.restarts = 0
-
-    def _generate(self, requests):
-        if self.fail_times:
-            self.fail_times -= 1
-            raise EngineFailure("scripted crash")
-        self.calls.append(requests)
-        out = []
-        for r in requests:
-            text = self.script(self.tok.decode(r.prompt_ids, skip_special_tokens=True), r)
-            if text is None:
-                out.append(TurnResult([], [], "error", None, error="rejected"))
-                continue
-            ids = self.tok.encode(text, add_special_tokens=False)
-            cut = next((i + 1 for i, t in enumerate(ids) if t in r.stop_token_ids), None)
-            ids = ids[:cut] if cut else ids
-            finish = "stop" if cut and cut <= r.max_tokens else "length"
-            ids = ids[: r.max_tokens]
-            out.append(TurnResult(ids, [-0.5] * len(ids), finish, self.version))
-        return out
-
-    def _restart(self):
-        self.restarts += 1
-
-    def _load_weights(self, model_dir, version):
-        self.version = version
-
-    @property
-    def policy_version(self):
-        return self.version
-
-    @property
-    def max_model_len(self):
-        return self.max_len
 
 
 def solver(prompt: str, r: TurnRequest) -> str:

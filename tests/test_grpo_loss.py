@@ -251,3 +251,40 @@ def test_entropy_from_logits_over_masked_positions():
     logits = torch.tensor([[[0.0, 0.0], [0.0, math.log(3)], [0.0, 30.0]]])
     ent = entropy_from_logits(logits, torch.tensor([[1, 1, 0]]))
     _close(ent, (math.log(2) + 0.25 * math.log(4) + 0.75 * math.log(4 / 3)) / 2)
+
+
+def test_reference_rows_are_clipped_like_policy_rows_but_carry_no_tis_weight():
+    """'clip': a reference row's behaviour log-probs (0.0: the solution was written, not sampled)
+    give it no TIS weight and do not count in the train/inference mismatch."""
+    logp, old = _batch(CLIP_RATIOS)
+    behaviour = torch.zeros(2, 3)  # far above logp_old: a TIS weight would be exp(-1) per token
+    off = torch.tensor([True, False])
+    loss, stats = grpo_loss(logp, old, behaviour, CLIP_ADV, ONES, LossConfig(tis_cap=2.0), off_policy=off)
+    loss.backward()
+    w = math.exp(C)  # the policy row's TIS weight min(exp(logp_old - 0), 2)
+    # seq0 (reference, A=+1): clip-high cuts token 0; tokens 1, 2 keep r * A -> d l / d logp = -r / 6
+    # seq1 (policy, A=-1): clip-low cuts token 0; tokens 1, 2 keep r * A -> d l / d logp = w * r / 6
+    _close(logp.grad, [[0.0, -0.5 / 6, -1.0 / 6], [0.0, w * 1.5 / 6, w * 1.0 / 6]])
+    _close(stats.mismatch, -C)  # |logp_old - 0| over the policy row only
+
+
+def test_reference_rows_with_luffy_shaping():
+    logp, old = _batch(CLIP_RATIOS)
+    off = torch.tensor([True, False])
+    cfg = LossConfig(tis_cap=None, off_policy="shaped", shaping_gamma=0.1)
+    loss, _ = grpo_loss(logp, old, old, CLIP_ADV, ONES, cfg, off_policy=off)
+    loss.backward()
+    # seq0: surr = A * p / (p + g), p = exp(logp); d surr / d logp = A * g * p / (p + g)^2, unclipped
+    p = logp[0].detach().exp()
+    _close(logp.grad[0], -(0.1 * p / (p + 0.1) ** 2) / 6)
+
+
+def test_reference_rows_as_a_supervised_term():
+    logp, old = _batch(CLIP_RATIOS)
+    off = torch.tensor([True, False])
+    cfg = LossConfig(tis_cap=None, off_policy="sft", sft_coef=0.5)
+    loss, _ = grpo_loss(logp, old, old, CLIP_ADV, ONES, cfg, off_policy=off)
+    loss.backward()
+    # seq0: l = -0.5 * logp (whatever its advantage) -> d l / d logp = -0.5 / 6
+    _close(logp.grad[0], [-0.5 / 6] * 3)
+    _close(loss, (-0.5 * logp[0].sum().item() + (0.8 + 1.5 + 1.0)) / 6)

@@ -118,6 +118,18 @@ def test_behaviour_logprobs_match_transformers(first_batch, base_policy_dir):
     assert_logprobs_match(base_policy_dir, first_batch.rows)
 
 
+def test_importance_ratio_is_one_for_on_policy_rollouts_at_temperature_1_5(engine, tokenizer, base_policy_dir):
+    """vLLM records the log-probs of the tempered distribution it sampled (processed log-probs); the
+    learner divides its logits by the same temperature, so the ratio of on-policy data is 1."""
+    from learner_data import learner_ratio_error
+
+    rows = generate_groups(engine, tokenizer, TASKS[:4], SamplingConfig(group_size=2, seed=4, temperature=1.5),
+                           cycle=3).rows
+    assert {r["temperature"] for r in rows} == {1.5}
+    assert learner_ratio_error(base_policy_dir, rows) < 1e-3
+    assert learner_ratio_error(base_policy_dir, rows, temperature=1.0) > 0.05  # untempered scoring is biased
+
+
 def test_same_config_reproduces_the_group(engine, tokenizer, first_batch):
     again = generate_groups(engine, tokenizer, TASKS, SamplingConfig(group_size=4, seed=5), cycle=2)
     assert [r["completion_ids"] for r in again.rows] == [r["completion_ids"] for r in first_batch.rows]

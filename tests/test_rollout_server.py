@@ -104,6 +104,16 @@ def test_group_through_server(engine, base_policy_dir):
     assert max_logprob_diff(base_policy_dir, rows) < 1e-3
 
 
+def test_importance_ratio_is_one_for_on_policy_rollouts_at_temperature_1_5(engine, base_policy_dir):
+    from learner_data import learner_ratio_error
+
+    tokenizer = tok_lib.load_hf_tokenizer(base_policy_dir)
+    rows = generate_groups(engine, tokenizer, TASKS, SamplingConfig(group_size=2, seed=4, temperature=1.5),
+                           cycle=1, require_version=0).rows
+    assert learner_ratio_error(base_policy_dir, rows) < 1e-3
+    assert learner_ratio_error(base_policy_dir, rows, temperature=1.0) > 0.05
+
+
 def test_refit_through_dev_endpoints(engine, base_policy_dir, tmp_path_factory):
     tokenizer = tok_lib.load_hf_tokenizer(base_policy_dir)
     with pytest.raises(StalePolicyError):

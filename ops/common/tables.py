@@ -12,13 +12,16 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-ROLLOUTS_VERSION = "1"
+ROLLOUTS_VERSION = "2"
 REWARDS_VERSION = "2"
 
 # One row per sampled episode. Token-in/token-out: `completion_ids` are every token after the
 # prompt (model turns and tool results, in order); `loss_mask` is 1 on model-generated tokens
 # (trained) and 0 on tool tokens; `behaviour_logprobs` are vLLM's log-probs of the sampled
-# tokens (0.0 where loss_mask is 0). The three lists have equal length.
+# tokens (0.0 where loss_mask is 0). The three lists have equal length. A `reference` row is the
+# task's known solution written into the group (exploration guidance, ops/rollout/groups.py): its
+# tokens were not sampled, so its behaviour log-probs are 0.0 and the learner treats it as
+# off-policy. A null `source` reads as `policy`.
 ROLLOUTS = pa.schema(
     [
         ("cycle", pa.int32()),
@@ -45,6 +48,9 @@ ROLLOUTS = pa.schema(
         ("top_p", pa.float32()),
         ("max_tokens", pa.int32()),
         ("seed", pa.int64()),
+        # v2: where the episode came from
+        ("source", pa.string()),  # policy (sampled by the engine) | reference (the task's verified solution)
+        ("sampling_round", pa.int32()),  # dynamic-sampling round of the cycle that produced the group (0 first)
     ],
     metadata={"perpetua.table": "rollouts", "perpetua.version": ROLLOUTS_VERSION},
 )
@@ -80,8 +86,15 @@ def _rewards_v1_to_v2(table: pa.Table) -> pa.Table:
     return table.append_column("rollouts_hash", pa.nulls(n, pa.string()))
 
 
+def _rollouts_v1_to_v2(table: pa.Table) -> pa.Table:
+    """v1 rollouts were all sampled by the policy, in one round."""
+    n = table.num_rows
+    table = table.append_column("source", pa.array(["policy"] * n, pa.string()))
+    return table.append_column("sampling_round", pa.array([0] * n, pa.int32()))
+
+
 # (table, stored version) -> function bringing such a table to the current schema
-_UPGRADES = {(b"rewards", b"1"): _rewards_v1_to_v2}
+_UPGRADES = {(b"rewards", b"1"): _rewards_v1_to_v2, (b"rollouts", b"1"): _rollouts_v1_to_v2}
 
 
 class SchemaMismatch(ValueError):

@@ -33,6 +33,7 @@ from ops.common.tables import REWARDS, ROLLOUTS, SchemaMismatch, read_table, tab
 
 _ROLLOUT_COLUMNS = ["group_id", "sample_index", "policy_version", "prompt_ids", "completion_ids",
                     "behaviour_logprobs", "loss_mask"]
+_OPTIONAL_ROLLOUT_COLUMNS = ["source", "temperature", "top_p"]  # absent: policy rows sampled at T = 1, no top-p
 _REWARD_COLUMNS = ["group_id", "sample_index", "reward", "flagged"]
 log = logging.getLogger("perpetua.learn")
 _PART_HASHES = b"perpetua.part_hashes"  # table_hash of each rollouts file of a concatenated table
@@ -55,6 +56,8 @@ class TrainingSample:
     advantage: float
     reward: float
     policy_version: int
+    off_policy: bool = False  # a reference row: its tokens were written, not sampled by a policy
+    temperature: float = 1.0  # the sampling temperature: the learner scores softmax(logits / temperature)
 
     @property
     def trained_tokens(self) -> int:
@@ -75,6 +78,7 @@ class BatchStats:
     tokens: int  # all tokens (prompt + completion) of the kept samples
     behaviour_policy_versions: tuple[int, ...]  # versions that generated the kept samples
     infra_excluded: int = 0  # rollouts left out: their verification was an infrastructure failure
+    reference_samples: int = 0  # kept samples that are reference solutions (off-policy guidance)
 
     def as_dict(self, prefix: str = "") -> dict:
         d = asdict(self)
@@ -145,8 +149,14 @@ def build_training_batch(
     *,
     vocab_size: int | None = None,
     max_length: int | None = None,
+    reference_in_group: bool = True,
 ) -> TrainingBatch:
-    """Join, validate, compute advantages and filter (see the module docstring)."""
+    """Join, validate, compute advantages and filter (see the module docstring).
+
+    Reference rows (`source` "reference", ops/rollout/dynamic.py) are off-policy samples. With
+    `reference_in_group` they are members of their group like any sample (the group's baseline
+    includes them; LUFFY); without, the advantages are computed over the policy's samples only and
+    every reference row is kept with advantage 0, for the loss's supervised term."""
     cfg = cfg or AdvantageConfig()
     check_binding(rollouts, rewards)
     by_key, reward_of = _join(rollouts, rewards)
@@ -161,9 +171,14 @@ def build_training_batch(
     keys = sorted(by_key)
     _validate(keys, by_key, reward_of, vocab_size, max_length)
     reward = torch.tensor([float(reward_of[k]["reward"]) for k in keys], dtype=torch.float64)
-    adv = group_advantages(reward, [k[0] for k in keys], cfg)
-    samples = [_sample(key, by_key[key], float(adv.advantages[i]), float(reward[i]))
-               for i, key in enumerate(keys) if bool(adv.keep[i])]
+    reference = [_is_reference(by_key[k]) for k in keys]
+    # Outside the groups, a reference row is a group of its own: never all-equal-filtered as a group of one.
+    group_ids = [("reference", *k) if ref and not reference_in_group else k[0] for k, ref in zip(keys, reference)]
+    adv = group_advantages(reward, group_ids, cfg)
+    samples = [_sample(key, by_key[key], 0.0 if ref and not reference_in_group else float(adv.advantages[i]),
+                       float(reward[i]), ref)
+               for i, (key, ref) in enumerate(zip(keys, reference))
+               if bool(adv.keep[i]) or (ref and not reference_in_group)]
     stats = _batch_stats(keys, reward_of, reward, adv, samples, len(infra))
     return TrainingBatch(samples, stats, batch_id(rollouts, rewards))
 
@@ -176,7 +191,8 @@ def _join(rollouts: pa.Table, rewards: pa.Table) -> tuple[dict[tuple[str, int], 
             raise BatchError(f"{what} table lacks columns {missing}")
     if rollouts.num_rows == 0:
         raise BatchError("the rollouts table is empty: nothing to learn from")
-    by_key = _by_key(rollouts.select(_ROLLOUT_COLUMNS).to_pylist(), "rollout")
+    columns = _ROLLOUT_COLUMNS + [c for c in _OPTIONAL_ROLLOUT_COLUMNS if c in rollouts.column_names]
+    by_key = _by_key(rollouts.select(columns).to_pylist(), "rollout")
     reward_of = _by_key(rewards.select(_REWARD_COLUMNS).to_pylist(), "reward")
     unrewarded = by_key.keys() - reward_of.keys()
     orphans = reward_of.keys() - by_key.keys()
@@ -211,10 +227,15 @@ def _validate(keys, by_key: dict, reward_of: dict, vocab_size: int | None, max_l
         raise BatchError("invalid rollouts: " + "; ".join(problems))
 
 
-def _sample(key: tuple[str, int], r: dict, advantage: float, reward: float) -> TrainingSample:
+def _is_reference(r: dict) -> bool:
+    return (r.get("source") or "policy") == "reference"
+
+
+def _sample(key: tuple[str, int], r: dict, advantage: float, reward: float, off_policy: bool = False) -> TrainingSample:
     seq = Sequence(list(r["prompt_ids"]), list(r["completion_ids"]), [int(m) for m in r["loss_mask"]])
+    temperature = r.get("temperature")
     return TrainingSample(key[0], key[1], seq, [float(x) for x in r["behaviour_logprobs"]], advantage, reward,
-                          int(r["policy_version"]))
+                          int(r["policy_version"]), off_policy, 1.0 if temperature is None else float(temperature))
 
 
 def _infra_failures(rewards: pa.Table) -> set[tuple[str, int]]:
@@ -240,6 +261,7 @@ def _batch_stats(keys, reward_of: dict, reward: torch.Tensor, adv: GroupAdvantag
         tokens=sum(len(s.sequence.ids) for s in samples),
         behaviour_policy_versions=tuple(sorted({s.policy_version for s in samples})),
         infra_excluded=infra_excluded,
+        reference_samples=sum(s.off_policy for s in samples),
     )
 
 
@@ -265,5 +287,11 @@ def _validate_rollout(key, r: dict, rw: dict, vocab_size, max_length, problems: 
     if max_length is not None and len(prompt) + len(completion) > max_length:
         problems.append(f"{where}: {len(prompt) + len(completion)} tokens exceed the policy's "
                         f"max_position_embeddings {max_length}")
+    temperature, top_p = r.get("temperature"), r.get("top_p")
+    if temperature is not None and not temperature > 0:
+        problems.append(f"{where}: sampled at temperature {temperature}: greedy decoding is not a distribution to train on")
+    if top_p is not None and top_p < 1 and not _is_reference(r):
+        problems.append(f"{where}: sampled with top_p {top_p}: the learner scores the full distribution, so training "
+                        "rollouts must be sampled with top_p 1")
     if rw["reward"] is None or not math.isfinite(rw["reward"]):
         problems.append(f"{where}: reward {rw['reward']} is not finite")

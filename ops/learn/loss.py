@@ -89,6 +89,19 @@ class LossConfig(BaseModel):
         float,
         Field(ge=0, description="Weight of the k3 KL(pi_theta || pi_ref) penalty; 0 disables (DAPO drops it)"),
     ] = 0.0
+    off_policy: Annotated[
+        Literal["clip", "shaped", "sft"],
+        Field(
+            description="How reference rows (a task's verified solution written into its group) are trained. "
+            "'clip': in their group with its advantage, as if the policy had sampled them: ratio against the "
+            "learner's start-of-step weights with the usual clip, no TIS weight, so each step's first update is the "
+            "full advantage-weighted gradient however unlikely the solution was; 'shaped': in their group with "
+            "LUFFY's policy shaping (Yan et al. 2025), surrogate A * p / (p + shaping_gamma), bounded and unclipped; "
+            "'sft': a supervised term sft_coef * NLL outside the groups (rejection-sampling fine-tuning)"
+        ),
+    ] = "clip"
+    shaping_gamma: Annotated[float, Field(gt=0, description="LUFFY's shaping constant ('shaped')")] = 0.1
+    sft_coef: Annotated[float, Field(ge=0, description="Weight of the supervised term on reference rows ('sft')")] = 1.0
 
     @classmethod
     def gspo(cls, **overrides) -> LossConfig:
@@ -115,7 +128,7 @@ class LossStats:
     ratio_max: float
     ratio_min: float
     tis_weight_mean: float  # over units; 1.0 when TIS is off or logp_old is None
-    mismatch: float  # mean |logp_old - logp_behaviour| over masked tokens; 0.0 when logp_old is None
+    mismatch: float  # mean |logp_old - logp_behaviour| over sampled masked tokens (not reference rows); 0.0 when logp_old is None
     num_tokens: float  # masked tokens in this batch
     num_sequences: float  # sequences with at least one trained token
 
@@ -133,6 +146,7 @@ def grpo_loss(
     logp_ref: Tensor | None = None,
     *,
     loss_normalizer: float | None = None,
+    off_policy: Tensor | None = None,
 ) -> tuple[Tensor, LossStats]:
     """Clipped policy-gradient loss for one (micro-)batch; see the module docstring for the math.
 
@@ -140,14 +154,25 @@ def grpo_loss(
     be anything, even inf), so tool tokens and padding have no effect on loss or gradient.
     `loss_normalizer` replaces the local denominator (trained tokens for token-mean, sequences for
     sequence-mean) so that micro-batches of one step can share the global one under gradient
-    accumulation. A batch with no trained token gives a zero loss still attached to the graph,
+    accumulation. `off_policy` [B] bool marks reference rows, trained as `cfg.off_policy` says. A batch with no trained token gives a zero loss still attached to the graph,
     so every data-parallel rank can call backward.
     """
     _check_inputs(logp, logp_old, logp_behaviour, advantages, mask, logp_ref, cfg, loss_normalizer)
     x = _Masked.of(logp, logp_old, logp_behaviour, advantages, mask)
     ratio, log_w = _importance_ratio(x, cfg.level)
     tis_w = torch.ones_like(x.lp) if cfg.tis_cap is None else torch.exp(log_w).clamp(max=cfg.tis_cap)
-    pg_tok = -tis_w * _clipped_surrogate(ratio, x.adv, cfg)
+    surr = _clipped_surrogate(ratio, x.adv, cfg)
+    sampled = x.mf  # tokens an engine sampled: the train/inference mismatch is measured on these
+    if off_policy is not None and bool(off_policy.any()):
+        off = off_policy.bool()[:, None].expand_as(x.lp)
+        sampled = x.mf * (~off).float()
+        tis_w = torch.where(off, torch.ones_like(tis_w), tis_w)  # the behaviour is the solution, not an engine
+        if cfg.off_policy == "shaped":
+            p = torch.exp(x.lp)
+            surr = torch.where(off, x.adv * p / (p + cfg.shaping_gamma), surr)
+        elif cfg.off_policy == "sft":
+            surr = torch.where(off, cfg.sft_coef * x.lp, surr)
+    pg_tok = -tis_w * surr
     k3 = None if logp_ref is None else _k3(x.masked(logp_ref.detach()), x.lp)
 
     pg_loss = _aggregate(pg_tok, x, cfg.aggregation, loss_normalizer)
@@ -155,7 +180,7 @@ def grpo_loss(
     loss = pg_loss + cfg.kl_coef * kl if cfg.kl_coef > 0 else pg_loss
     if x.n_tokens == 0:
         loss = (logp * 0).sum()  # nothing to train; keep the graph so backward runs
-    stats = _loss_stats(loss, pg_loss, kl, ratio, tis_w, x, cfg, on_behaviour=logp_old is None)
+    stats = _loss_stats(loss, pg_loss, kl, ratio, tis_w, x, cfg, on_behaviour=logp_old is None, sampled=sampled)
     return loss, stats
 
 
@@ -249,7 +274,7 @@ def _aggregate(x: Tensor, inputs: _Masked, aggregation: str, loss_normalizer: fl
 
 @torch.no_grad()
 def _loss_stats(loss: Tensor, pg_loss: Tensor, kl: Tensor, ratio: Tensor, tis_w: Tensor, x: _Masked,
-                cfg: LossConfig, *, on_behaviour: bool) -> LossStats:
+                cfg: LossConfig, *, on_behaviour: bool, sampled: Tensor) -> LossStats:
     """LossStats over units (trained tokens, or sequences with one at level 'sequence')."""
     if cfg.level == "token":
         unit, r, a, w = x.m, ratio, x.adv.expand_as(ratio), tis_w
@@ -260,7 +285,8 @@ def _loss_stats(loss: Tensor, pg_loss: Tensor, kl: Tensor, ratio: Tensor, tis_w:
     low = ((a_u < 0) & (r_u < 1.0 - cfg.clip_low)).sum().item() / n_units
     high = ((a_u > 0) & (r_u > 1.0 + cfg.clip_high)).sum().item() / n_units
     empty = r_u.numel() == 0
-    mismatch = 0.0 if on_behaviour or x.n_tokens == 0 else float(((x.lp_old - x.lp_beh).abs() * x.mf).sum() / x.n_tokens)
+    n_sampled = float(sampled.sum())
+    mismatch = 0.0 if on_behaviour or n_sampled == 0 else float(((x.lp_old - x.lp_beh).abs() * sampled).sum() / n_sampled)
     return LossStats(
         loss=float(loss.detach()),
         pg_loss=float(pg_loss.detach()),

@@ -29,10 +29,30 @@ class MicroBatch:
     advantages: Tensor  # [b]
     real: bool  # False for a filler that only keeps the ranks in lockstep
     tokens_count: int  # non-padding tokens of real rows
+    off_policy: Tensor | None = None  # [b] bool, True on reference rows (None: none in this micro-batch)
+    temperature: Tensor | None = None  # [b] sampling temperatures (None: all 1)
 
     def to(self, device) -> "MicroBatch":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return MicroBatch(self.tokens.to(device), self.padding.to(device), self.target_mask.to(device),
-                          self.behaviour.to(device), self.advantages.to(device), self.real, self.tokens_count)
+                          self.behaviour.to(device), self.advantages.to(device), self.real, self.tokens_count,
+                          move(self.off_policy), move(self.temperature))
+
+
+def off_policy_rows(samples: list[TrainingSample], rows: int | None = None) -> Tensor | None:
+    """[rows] bool, True on reference rows (padding rows False); None when there is none."""
+    flags = [s.off_policy for s in samples]
+    if not any(flags):
+        return None
+    return torch.tensor(flags + [False] * max(0, (rows or 0) - len(flags)), dtype=torch.bool)
+
+
+def row_temperatures(samples: list[TrainingSample], rows: int | None = None) -> Tensor | None:
+    """[rows] sampling temperatures (padding rows 1); None when every sample was sampled at 1."""
+    temps = [s.temperature for s in samples]
+    if all(t == 1.0 for t in temps):
+        return None
+    return torch.tensor(temps + [1.0] * max(0, (rows or 0) - len(temps)), dtype=torch.float32)
 
 
 def collate_rows(samples: list[TrainingSample], pad_id: int, rows: int | None = None, length: int | None = None):
@@ -72,7 +92,8 @@ def plan_micro_batches(samples: list[TrainingSample], micro_batch_size: int, dp_
         group = chunks[s * dp_size : (s + 1) * dp_size]
         if dp_size == 1:
             t, p, m, b, a = collate_rows(group[0], pad_id)
-            plan.append(MicroBatch(t, p, m, b, a, True, int((~p).sum())))
+            plan.append(MicroBatch(t, p, m, b, a, True, int((~p).sum()), off_policy_rows(group[0]),
+                                   row_temperatures(group[0])))
             continue
         # Under dp > 1 the ranks' micro-batches of one micro-step share one shape [b, T].
         length = max(len(x.sequence.ids) for chunk in group for x in chunk)
@@ -81,5 +102,7 @@ def plan_micro_batches(samples: list[TrainingSample], micro_batch_size: int, dp_
         t, p, m, b, a = collate_rows(chunk, pad_id, rows=micro_batch_size, length=length)
         if not mine:
             m, a = torch.zeros_like(m), torch.zeros_like(a)
-        plan.append(MicroBatch(t, p, m, b, a, mine, int((~p).sum()) if mine else 0))
+        plan.append(MicroBatch(t, p, m, b, a, mine, int((~p).sum()) if mine else 0,
+                               off_policy_rows(chunk, micro_batch_size) if mine else None,
+                               row_temperatures(chunk, micro_batch_size)))
     return plan

@@ -46,11 +46,11 @@ from ops.learn.config import LearnerConfig
 from ops.learn.errors import LearnerError
 from ops.learn.loss import grpo_loss
 from ops.learn.metrics import UpdateSums
-from ops.learn.micro_batches import MicroBatch, collate_rows, plan_micro_batches
+from ops.learn.micro_batches import MicroBatch, collate_rows, plan_micro_batches, row_temperatures
 from ops.learn.moe_stats import AuxLossMeter, RouterStats, set_aux_loss_scale
 from ops.learn.optimizer import build_optimizer
 from ops.policy import checkpoint, megatron_cpu
-from ops.policy.model import PolicyConfig, build_model
+from ops.policy.model import PolicyConfig, build_model, logprobs_from_logits, tempered
 
 @dataclass
 class StepResult:
@@ -151,13 +151,13 @@ class Learner:
         mb = plan.micro_batches[i]
         set_aux_loss_scale(self.dp_size / plan.real_global if mb.real else 0.0, self.device)
         self.router.track(mb.padding if mb.real else None)
-        logits = self._forward(self.ddp, mb)
+        logits = tempered(self._forward(self.ddp, mb), mb.temperature)  # the distribution the rollouts sampled
         self.router.track(None)
-        logp = _token_logprobs(logits.float(), mb.tokens)
+        logp = logprobs_from_logits(logits, mb.tokens)
         if plan.logp_old[i] is None:
             plan.logp_old[i] = logp.detach()  # the weights at the start of the step
         loss, stats = grpo_loss(logp, plan.logp_old[i], mb.behaviour, mb.advantages, mb.target_mask, self.cfg.loss,
-                                plan.logp_ref[i], loss_normalizer=plan.normalizer)
+                                plan.logp_ref[i], loss_normalizer=plan.normalizer, off_policy=mb.off_policy)
         (loss * self.dp_size).backward()
         aux = self.aux_loss.take()
         if mb.real:
@@ -190,7 +190,7 @@ class Learner:
         if self.cfg.loss.kl_coef > 0:
             ref = self._reference_model()
             with torch.no_grad():
-                return [_token_logprobs(self._forward(ref, mb).float(), mb.tokens) for mb in micro_batches]
+                return [logprobs_from_logits(self._forward(ref, mb), mb.tokens, mb.temperature) for mb in micro_batches]
         return [None] * len(micro_batches)
 
     def _reference_model(self):
@@ -210,16 +210,16 @@ class Learner:
 
     @torch.no_grad()
     def completion_logprobs(self, samples: list[TrainingSample]) -> list[list[float]]:
-        """Per-token log-probs of each sample's completion under the current weights (eval mode),
-        aligned with completion_ids. Collective under expert parallelism: every rank must call it
+        """Per-token log-probs of each sample's completion under the current weights (eval mode), at
+        the sample's sampling temperature, aligned with completion_ids. Collective under expert parallelism: every rank must call it
         with the same samples."""
         self.ddp.eval()
         out: list[list[float]] = []
         for i in range(0, len(samples), self.cfg.micro_batch_size):
             chunk = samples[i : i + self.cfg.micro_batch_size]
             t, p, m, _, _ = collate_rows(chunk, self.pad_id)
-            mb = MicroBatch(t, p, m, m, m[:, 0], True, 0).to(self.device)
-            lp = _token_logprobs(self._forward(self.ddp, mb).float(), mb.tokens).cpu()
+            mb = MicroBatch(t, p, m, m, m[:, 0], True, 0, temperature=row_temperatures(chunk)).to(self.device)
+            lp = logprobs_from_logits(self._forward(self.ddp, mb), mb.tokens, mb.temperature).cpu()
             for row, s in enumerate(chunk):
                 start = len(s.sequence.prompt_ids) - 1
                 out.append(lp[row, start : start + len(s.sequence.completion_ids)].tolist())
@@ -285,7 +285,3 @@ def _wrap_ddp(gpt, precision: str):
                                            use_distributed_optimizer=False)
     return DistributedDataParallel(gpt.config, config, module)
 
-
-def _token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
-    """log p(tokens[:, t+1] | tokens[:, :t+1]) from logits [b, T, V] -> [b, T-1]."""
-    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)

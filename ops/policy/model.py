@@ -189,5 +189,24 @@ def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
 
 def token_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
     """log p(tokens[:, t] | tokens[:, :t]) for t >= 1, shape [batch, seq - 1], in float32."""
-    logits = forward_logits(model, tokens).float()
-    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return logprobs_from_logits(forward_logits(model, tokens), tokens)
+
+
+def tempered(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """Logits [b, T, V] in float32, divided by each row's sampling temperature [b] when given.
+
+    Rollouts record vLLM's processed log-probs (logprobs_mode=processed_logprobs,
+    ops/rollout/vllm_engine.py): those of the distribution actually sampled, softmax(logits / T).
+    The learner scores the same distribution, so the importance ratio of on-policy data is 1 at
+    any temperature."""
+    logits = logits.float()
+    if temperature is None:
+        return logits
+    return logits / temperature.to(logits.device, logits.dtype).view(-1, 1, 1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) from logits [b, T, V] -> [b, T-1], float32, at each
+    row's temperature (None: the model's own distribution)."""
+    logp = torch.log_softmax(tempered(logits[:, :-1], temperature), dim=-1)
+    return logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)

@@ -205,6 +205,16 @@ def verify_rollouts(
                         infra_retried=len(failed))
 
 
+def screen_rewards(rows: list[Mapping], tasks: Mapping[str, Any], *, sandbox: Sandbox | None = None,
+                   workers: int | None = None) -> list[float | None]:
+    """The reward of each rollout row, in order, as the rewards stage would give it (None where the
+    verification itself failed): what dynamic sampling screens a round with."""
+    if not rows:
+        return []
+    report = verify_rollouts(rows, tasks, sandbox=sandbox, workers=workers)
+    return [None if r["infra_failure"] else float(r["reward"]) for r in report.rows]
+
+
 def _items(rollouts: pa.Table | Iterable[Mapping]) -> list[Mapping]:
     if not isinstance(rollouts, pa.Table):
         return list(rollouts)

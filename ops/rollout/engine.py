@@ -85,7 +85,7 @@ class TurnResult:
 
     `token_ids` include the stop token when the turn stopped on one (it is a sampled token the
     learner trains on); `logprobs` are the behaviour policy's log-probs of each sampled token
-    (vLLM's raw log-probs: the model's distribution before temperature/top-p). `finish_reason`
+    (vLLM's processed log-probs: of the distribution sampled, after temperature). `finish_reason`
     is "stop" (a stop token or EOS), "length" (max_tokens) or "error" (this request failed on
     its own: `error` says why; the rest of the batch is unaffected).
     """

@@ -62,6 +62,7 @@ class Episode:
     error: str | None = None
     policy_version: int | None = None
     generation_seconds: float = 0.0
+    source: str = "policy"  # "reference": the task's solution, written rather than sampled
 
     @property
     def done(self) -> bool:
@@ -114,6 +115,35 @@ class EpisodeRunner:
     def new_episode(self, task: task_world.Task, sample_index: int, seed: int) -> Episode:
         text = task_world.prompt_text(task)
         return Episode(task, sample_index, seed, self.tokenizer.encode(text), text)
+
+    def reference_episode(self, task: task_world.Task, sample_index: int, policy_version: int | None,
+                          settings: EpisodeConfig) -> Episode:
+        """The task's known solution as an episode: its model lines are written, not sampled (behaviour
+        log-probs 0.0, `source` "reference"), and the tool lines come from the environment's tool as
+        in a sampled episode, so the verifier judges it like any other. Each model line is tokenized
+        on its own, ending with the newline token, as the policy would emit it."""
+        ep = self.new_episode(task, sample_index, seed=0)
+        ep.source, ep.policy_version = "reference", policy_version
+        for role, text in task_world.solution_turns(task):
+            if role != "model":
+                continue  # the tool answers the CALL line itself (below)
+            line = text.rstrip("\n")
+            ids = self.tokenizer.encode(line, add_special_tokens=False) + [self.newline]
+            ep.append(ids, [0.0] * len(ids), True, line + "\n")
+            ep.turns += 1
+            ep.model_lines.append(line)
+            action = task_world.parse_action(line)
+            if action.kind == "answer":
+                ep.final_answer = action.argument
+                ep.finish("answer")
+                break
+            if action.kind == "call":
+                self._call_tool(ep, action.argument, settings)
+                if ep.done:
+                    break
+        if not ep.done:
+            ep.finish("env_error", f"the reference solution of task {task.task_id} gives no answer")
+        return ep
 
     def run(self, episodes: list[Episode], settings: EpisodeConfig, require_version: int | None = None) -> list[Episode]:
         """Advance every episode to its end, one batched engine call per turn."""

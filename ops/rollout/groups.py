@@ -81,6 +81,7 @@ def generate_groups(
     cycle: int = 0,
     require_version: int | None = None,
     tool: Tool = task_world.tool_result_line,
+    sampling_round: int = 0,
 ) -> RolloutBatch:
     """G episodes per task (rows in task order, then sample index), by the engine's policy."""
     cfg = cfg or SamplingConfig()
@@ -102,14 +103,38 @@ def generate_groups(
     for ep in episodes:
         if ep.policy_version is None:  # ended before sampling (e.g. prompt too long): the version held
             ep.policy_version = loaded
-    rows = [episode_row(ep, cycle, cfg) for ep in episodes]
+    rows = [episode_row(ep, cycle, cfg, sampling_round) for ep in episodes]
     versions = {r["policy_version"] for r in rows if r["policy_version"] is not None}
     return RolloutBatch(
         rows, seconds, versions.pop() if len(versions) == 1 else None, dict(Counter(r["finish_reason"] for r in rows))
     )
 
 
-def episode_row(ep: Episode, cycle: int, cfg: SamplingConfig) -> dict:
+def reference_rows(
+    engine: RolloutEngine,
+    tokenizer,
+    tasks: list[task_world.Task],
+    cfg: SamplingConfig,
+    *,
+    cycle: int,
+    policy_version: int,
+    sampling_round: int = 0,
+    samples: int = 1,
+    tool: Tool = task_world.tool_result_line,
+) -> list[dict]:
+    """`samples` reference episodes per task (the task's known solution, ops/rollout/episodes.py),
+    as rows of the task's group: sample indices follow the G policy samples (G, G+1, ...)."""
+    runner = EpisodeRunner(engine, tokenizer, tool)
+    settings = cfg.episode_settings()
+    return [
+        episode_row(runner.reference_episode(task, cfg.group_size + i, policy_version, settings), cycle, cfg,
+                    sampling_round)
+        for task in tasks
+        for i in range(samples)
+    ]
+
+
+def episode_row(ep: Episode, cycle: int, cfg: SamplingConfig, sampling_round: int = 0) -> dict:
     """One ROLLOUTS row (plus `error`, the reason of an env_error / engine_error)."""
     return {
         "cycle": cycle,
@@ -136,6 +161,8 @@ def episode_row(ep: Episode, cycle: int, cfg: SamplingConfig) -> dict:
         "max_tokens": cfg.max_tokens,
         "seed": ep.seed,
         "error": ep.error,
+        "source": ep.source,
+        "sampling_round": sampling_round,
     }
 
 

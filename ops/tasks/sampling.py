@@ -19,15 +19,20 @@ class NoTrainingTasks(RuntimeError):
     """There is nothing to roll out: no task set yet, or one without train-split tasks."""
 
 
-def sample_train_tasks(max_tasks: int, cycle: int, home: Home | None = None) -> list[Task]:
-    """Up to `max_tasks` train-split tasks of the current task set, the same for the same cycle,
-    ordered by task id."""
+def train_tasks(home: Home | None = None) -> list[Task]:
+    """Every train-split task of the current task set, ordered by task id."""
     path = current_training_tasks_path(home)
     if path is None:
         raise NoTrainingTasks("no training tasks yet: materialize training_tasks first")
     rows = [r for r in read_training_tasks(path).to_pylist() if r["split"] == "train"]
     if not rows:
         raise NoTrainingTasks(f"{path} has no train-split tasks")
-    rng = random.Random(f"rollout-tasks:{cycle}")
-    rows = rng.sample(rows, min(max_tasks, len(rows)))
     return [Task.from_dict(r) for r in sorted(rows, key=lambda r: r["task_id"])]
+
+
+def sample_train_tasks(max_tasks: int, cycle: int, home: Home | None = None) -> list[Task]:
+    """Up to `max_tasks` train-split tasks of the current task set, a uniform sample, the same for
+    the same cycle, ordered by task id."""
+    pool = train_tasks(home)
+    rng = random.Random(f"rollout-tasks:{cycle}")
+    return sorted(rng.sample(pool, min(max_tasks, len(pool))), key=lambda t: t.task_id)

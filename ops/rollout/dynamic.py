@@ -1,0 +1,182 @@
+"""Dynamic sampling with exploration guidance: a cycle's batch is built until it can teach.
+
+GRPO learns only from groups whose rewards differ (ops/learn/advantages.py drops the others).
+So, as DAPO does, the rollout stage screens what it sampled and samples more when too little of
+it carries signal:
+
+    round 0:  choose `max_tasks` tasks (ops/rollout/curriculum.py), sample G episodes each,
+              screen them with the cycle's verifiers;
+    guidance: a group whose every sample failed, for a task that has now failed
+              `guide_after` groups in a row, gets the task's reference solution written into it
+              (`reference_samples` rows, source "reference"): the group now holds one success
+              among failures, the learner treats those rows as off-policy (LUFFY, Yan et al.
+              2025; or a supervised term, ops/learn/loss.py), and a family the policy has never
+              solved gets a gradient toward the solution instead of none;
+    refill:   while the batch holds fewer than `min_informative_groups` informative groups,
+              another round samples fresh tasks of the pool (deficit / observed informative
+              rate, capped), at most `max_rounds` rounds and `max_groups` groups in all.
+
+It never fails for want of signal: when the pool runs dry or the rounds are spent, the batch is
+what was sampled, and `DynamicBatch.exhausted` says why it stopped. Every sampled episode is kept
+as a row (uninformative groups included, each with its round): the verified_rewards stage scores
+all of them, the learner drops the all-equal groups and counts them. The screen is the same
+verifier code in the same sandbox as the rewards stage (it scores each row once more there; the
+rewards stage's score is the one trained on).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Annotated, Callable
+
+from pydantic import BaseModel, Field
+
+from ops.rollout.curriculum import CurriculumConfig, History, TaskChoice, choose_tasks
+from ops.rollout.engine import RolloutEngine
+from ops.rollout.groups import SamplingConfig, generate_groups, reference_rows
+from ops.tasks.task_world import Task
+
+# rows -> reward per row (None when the verification itself failed)
+Screen = Callable[[list[dict]], list[float | None]]
+
+
+class DynamicSamplingConfig(BaseModel):
+    """How a cycle's batch is screened, guided and refilled."""
+
+    model_config = {"frozen": True, "extra": "forbid"}
+
+    max_tasks: Annotated[int, Field(ge=1, description="Groups sampled in the first round")] = 48
+    min_informative_groups: Annotated[
+        int, Field(ge=0, description="Refill until this many groups have reward variance (0 = one round, no refill)")
+    ] = 32
+    max_rounds: Annotated[int, Field(ge=1, description="Sampling rounds at most (the first included)")] = 3
+    max_groups: Annotated[int, Field(ge=1, description="Groups sampled in all rounds together at most")] = 96
+    guide_after: Annotated[
+        int, Field(ge=0, description="Write the reference solution into a task's group once this many of its groups "
+                   "in a row (earlier cycles' and this one) failed every sample; 0 = no guidance")
+    ] = 1
+    reference_samples: Annotated[int, Field(ge=1, description="Reference rows added to a guided group")] = 1
+    curriculum: Annotated[CurriculumConfig, Field(description="Task weights by estimated pass rate")] = CurriculumConfig()
+
+
+@dataclass
+class RoundStats:
+    round: int
+    groups: int
+    informative: int
+    guided: int
+    rows: int
+    seconds: float
+
+    def record(self) -> dict:
+        return {"round": self.round, "groups": self.groups, "informative": self.informative, "guided": self.guided,
+                "rows": self.rows, "seconds": round(self.seconds, 3)}
+
+
+@dataclass
+class DynamicBatch:
+    rows: list[dict]
+    rounds: list[RoundStats] = field(default_factory=list)
+    choices: list[TaskChoice] = field(default_factory=list)
+    guided_tasks: list[str] = field(default_factory=list)
+    informative_groups: int = 0
+    exhausted: str | None = None  # why refilling stopped short of the target (None = target reached)
+    seconds: float = 0.0
+
+    @property
+    def groups(self) -> int:
+        return sum(r.groups for r in self.rounds)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(r["completion_tokens"] for r in self.rows if r["source"] == "policy")
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(len(r["completion_ids"]) for r in self.rows)
+
+
+def sample_informative(
+    engine: RolloutEngine,
+    tokenizer,
+    pool: list[Task],
+    history: History,
+    cfg: DynamicSamplingConfig,
+    sampling: SamplingConfig,
+    screen: Screen,
+    *,
+    cycle: int,
+    version: int,
+    log: Callable[[str], None] = lambda _: None,
+) -> DynamicBatch:
+    """The cycle's rollouts: rounds of choose, sample, screen, guide (see the module docstring)."""
+    start = time.monotonic()
+    out = DynamicBatch(rows=[])
+    remaining = {t.task_id: t for t in pool}
+    want = cfg.max_tasks
+    for rnd in range(cfg.max_rounds):
+        want = min(want, cfg.max_groups - out.groups, len(remaining))
+        if want <= 0:
+            out.exhausted = "pool" if not remaining else "max_groups"
+            break
+        t0 = time.monotonic()
+        choices = choose_tasks(list(remaining.values()), want, history, cfg.curriculum, guide_after=cfg.guide_after,
+                               seed=f"rollout-tasks:{cycle}:{rnd}")
+        tasks = [c.task for c in choices]
+        for t in tasks:
+            del remaining[t.task_id]
+        batch = generate_groups(engine, tokenizer, tasks, sampling, cycle=cycle, require_version=version,
+                                sampling_round=rnd)
+        rows = batch.rows
+        rewards = screen(rows)
+        guided = _to_guide(tasks, rows, rewards, history, cfg.guide_after)
+        if guided:
+            extra = reference_rows(engine, tokenizer, guided, sampling, cycle=cycle, policy_version=version,
+                                   sampling_round=rnd, samples=cfg.reference_samples)
+            rewards += screen(extra)
+            rows += extra
+        informative = _informative_groups(rows, rewards)
+        out.rows += rows
+        out.choices += choices
+        out.guided_tasks += [t.task_id for t in guided]
+        out.informative_groups += informative
+        out.rounds.append(RoundStats(rnd, len(tasks), informative, len(guided), len(rows), time.monotonic() - t0))
+        log(f"round {rnd}: {len(tasks)} groups, {informative} informative ({len(guided)} guided by their reference "
+            f"solution); {out.informative_groups} of {cfg.min_informative_groups} wanted")
+        if out.informative_groups >= cfg.min_informative_groups:
+            break
+        rate = informative / len(tasks)
+        deficit = cfg.min_informative_groups - out.informative_groups
+        want = math.ceil(deficit / max(rate, 0.1))
+    else:
+        out.exhausted = "max_rounds"
+    if out.exhausted and out.informative_groups >= cfg.min_informative_groups:
+        out.exhausted = None
+    out.seconds = time.monotonic() - start
+    return out
+
+
+def _to_guide(tasks: list[Task], rows: list[dict], rewards: list[float | None], history: History,
+              guide_after: int) -> list[Task]:
+    """Tasks whose group failed every verified sample and whose failing streak reaches guide_after."""
+    if not guide_after:
+        return []
+    by_task: dict[str, list[float]] = defaultdict(list)
+    for row, reward in zip(rows, rewards):
+        if reward is not None:
+            by_task[row["task_id"]].append(reward)
+    return [t for t in tasks
+            if by_task[t.task_id] and max(by_task[t.task_id]) <= 0
+            and history.fail_streak(t.task_id) + 1 >= guide_after]
+
+
+def _informative_groups(rows: list[dict], rewards: list[float | None]) -> int:
+    """Groups whose verified rewards are not all equal (what the learner keeps)."""
+    by_group: dict[str, set[float]] = defaultdict(set)
+    for row, reward in zip(rows, rewards):
+        if reward is not None:
+            by_group[row["group_id"]].add(reward)
+    return sum(len(values) > 1 for values in by_group.values())

@@ -1,0 +1,124 @@
+"""Dynamic sampling, exploration guidance and the curriculum: the rounds of the rollouts stage on a
+scripted policy, screened by the real verifiers in the real sandbox.
+
+The scripted policy solves every `add` task and answers every `mul` task wrongly, so `add` groups
+are all-pass (no signal) and `mul` groups all-fail (no signal unless guided).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ops.common.tables import REWARDS, ROLLOUTS, write_table
+from ops.reward.sandbox import Sandbox
+from ops.reward.scoring import rewards_path, rollouts_path, screen_rewards
+from ops.rollout.curriculum import EMPTY_HISTORY, CurriculumConfig, choose_tasks, read_history
+from ops.rollout.dynamic import DynamicSamplingConfig, sample_informative
+from ops.rollout.groups import SamplingConfig, generate_groups, reference_rows
+from ops.tasks import task_world
+from scripted_engine import ScriptedEngine
+
+ADD = task_world.generate_tasks("add", 12, seed=3)
+MUL = task_world.generate_tasks("mul", 12, seed=3)
+POOL = ADD + MUL
+TRUTH = {t.task_id: t.to_dict() for t in POOL}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from ops.policy import tokenizer as tok_lib
+
+    out = tmp_path_factory.mktemp("tok")
+    tok_lib.save_hf_tokenizer(tok_lib.train_tokenizer(512), out)
+    return tok_lib.load_hf_tokenizer(out)
+
+
+@pytest.fixture(scope="module")
+def screen():
+    sandbox = Sandbox()
+    return lambda rows: screen_rewards(rows, TRUTH, sandbox=sandbox)
+
+
+def add_only(prompt: str, r) -> str:
+    """Solves additions; for a product it calls the tool right and answers 0."""
+    lines = prompt.rstrip("\n").split("\n")
+    task = next(t for t in POOL if t.question == lines[0][3:])
+    if len(lines) == 1:
+        return f"CALL calc({task.expression})\n"
+    return f"ANSWER {lines[-1].removeprefix('RESULT ') if task.family == 'add' else 0}\n"
+
+
+def test_reference_rows_are_the_verified_solution(tokenizer, screen):
+    engine = ScriptedEngine(tokenizer, add_only)
+    cfg = SamplingConfig(group_size=3, max_tokens=64)
+    rows = reference_rows(engine, tokenizer, MUL[:2], cfg, cycle=5, policy_version=3, sampling_round=1, samples=2)
+    assert [(r["task_id"], r["sample_index"]) for r in rows] == [(t.task_id, i) for t in MUL[:2] for i in (3, 4)]
+    for r in rows:
+        task = next(t for t in MUL if t.task_id == r["task_id"])
+        call, result, answer = (tokenizer.encode(text, add_special_tokens=False) for _, text in task_world.solution_turns(task))
+        assert r["completion_ids"] == call + result + answer
+        assert r["loss_mask"] == [1] * len(call) + [0] * len(result) + [1] * len(answer)
+        assert r["behaviour_logprobs"] == [0.0] * len(r["completion_ids"])
+        assert (r["source"], r["sampling_round"], r["group_id"], r["policy_version"]) == ("reference", 1, f"c5-{task.task_id}", 3)
+        assert (r["finish_reason"], r["final_answer"]) == ("answer", task.answer)
+    assert screen(rows) == [1.0] * len(rows)
+    assert not engine.calls  # nothing was sampled
+
+
+def test_guidance_makes_never_solved_groups_informative_and_refill_is_bounded(tokenizer, screen):
+    engine = ScriptedEngine(tokenizer, add_only)
+    cfg = DynamicSamplingConfig(max_tasks=8, min_informative_groups=20, max_rounds=3, max_groups=20, guide_after=1,
+                                curriculum=CurriculumConfig(enabled=False))
+    batch = sample_informative(engine, tokenizer, POOL, EMPTY_HISTORY, cfg, SamplingConfig(group_size=4), screen,
+                               cycle=2, version=3)
+    groups = {r["group_id"] for r in batch.rows}
+    assert len(groups) == batch.groups == 20 and batch.exhausted == "max_groups"  # 8, then refills up to the cap
+    assert len({r["task_id"] for r in batch.rows}) == 20  # no task sampled twice in a cycle
+    mul_groups = {r["group_id"] for r in batch.rows if r["family"] == "mul"}
+    refs = [r for r in batch.rows if r["source"] == "reference"]
+    assert {r["group_id"] for r in refs} == mul_groups and len(refs) == len(mul_groups)  # every all-fail group guided
+    assert batch.informative_groups == len(mul_groups) == len(batch.guided_tasks)
+    assert sum(r["source"] == "policy" for r in batch.rows) == 20 * 4  # every sampled episode is kept
+    assert [s.round for s in batch.rounds] == sorted({r["sampling_round"] for r in batch.rows})
+
+
+def test_without_guidance_nothing_is_informative_and_nothing_fails(tokenizer, screen):
+    engine = ScriptedEngine(tokenizer, add_only)
+    cfg = DynamicSamplingConfig(max_tasks=6, min_informative_groups=4, max_rounds=2, max_groups=50, guide_after=0)
+    batch = sample_informative(engine, tokenizer, POOL, EMPTY_HISTORY, cfg, SamplingConfig(group_size=2), screen,
+                               cycle=1, version=3)
+    assert batch.informative_groups == 0 and batch.exhausted == "max_rounds" and len(batch.rounds) == 2
+    assert not any(r["source"] == "reference" for r in batch.rows)
+    assert batch.groups == 6 + 18  # the second round asks deficit / max(rate, 0.1) = 40, capped by the pool left
+    empty = sample_informative(engine, tokenizer, [], EMPTY_HISTORY, cfg, SamplingConfig(group_size=2), screen,
+                               cycle=1, version=3)
+    assert empty.rows == [] and empty.exhausted == "pool"
+
+
+def test_history_and_curriculum_weights(tmp_path, tokenizer, screen):
+    """Stored cycles give pass rates per task and family; the choice prefers what can teach."""
+    engine = ScriptedEngine(tokenizer, add_only)
+    rows = generate_groups(engine, tokenizer, ADD[:4] + MUL[:4], SamplingConfig(group_size=2), cycle=1,
+                           require_version=3).rows
+    rows += reference_rows(engine, tokenizer, MUL[:4], SamplingConfig(group_size=2), cycle=1, policy_version=3)
+    rewards = [{"group_id": r["group_id"], "sample_index": r["sample_index"], "task_id": r["task_id"], "reward": reward,
+                "infra_failure": False} for r, reward in zip(rows, screen(rows))]
+    write_table(rows, ROLLOUTS, rollouts_path(tmp_path, 1))
+    write_table(rewards, REWARDS, rewards_path(tmp_path, 1))
+    history = read_history(tmp_path, before_cycle=2, cycles=4)
+    assert history.cycles == (1,)
+    assert history.families["add"].passes == history.families["add"].attempts == 8
+    assert history.families["mul"].passes == 0 and history.families["mul"].attempts == 8  # references not counted
+    assert {history.fail_streak(t.task_id) for t in MUL[:4]} == {1} and history.fail_streak(ADD[0].task_id) == 0
+    assert read_history(tmp_path, before_cycle=1, cycles=4).cycles == ()
+    cfg = CurriculumConfig()
+    seen_add, unseen_add, hard_mul, unseen_mul = ADD[0], ADD[10], MUL[0], MUL[10]
+    rate = lambda t: history.pass_rate(t, cfg.prior_strength)  # noqa: E731
+    assert rate(seen_add) > rate(unseen_add) > 0.8 and rate(hard_mul) < rate(unseen_mul) < 0.2
+    chosen = choose_tasks(POOL, 8, history, cfg, guide_after=1, seed="s")
+    assert chosen == choose_tasks(POOL, 8, history, cfg, guide_after=1, seed="s")
+    by_family = [c.task.family for c in chosen]
+    assert by_family.count("mul") > by_family.count("add")  # solved additions are replayed at a low weight
+    assert {c.weight for c in chosen if c.task.task_id in {t.task_id for t in MUL[:4]}} <= {cfg.hard_weight}
+    uniform = choose_tasks(POOL, 8, history, CurriculumConfig(enabled=False), guide_after=1, seed="s")
+    assert {c.weight for c in uniform} == {1.0}
