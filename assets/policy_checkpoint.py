@@ -36,8 +36,9 @@ class PolicyCheckpointConfig(dg.Config):
     nproc_per_node: int = Field(default=1, description="Learner ranks (torchrun --nproc_per_node).")
     expert_parallel: int = Field(default=1, description="Expert-parallel size; must divide nproc_per_node.")
     micro_batch_size: int = Field(default=8, description="Sequences per forward/backward per rank.")
-    updates_per_step: int = Field(default=2, description="Optimizer updates over the batch in this step.")
-    lr: float = Field(default=5e-4, description="AdamW learning rate (5e-4 x 2 updates: the demo deploys an improvement by cycle 2; 1e-3 x 4 forgets the bootstrap families).")
+    updates_per_step: int = Field(default=4, description="Optimizer updates over the batch in this step.")
+    lr: float = Field(default=5e-4, description="AdamW learning rate (5e-4 x 4 updates; 1e-3 x 4 regresses the "
+                      "bootstrap families on the guard set, measured with `perpetua bench learning`).")
     precision: str = Field(default="fp32", description="fp32, or bf16 on CUDA.")
     learner_overrides_json: str = Field(default="{}", description="Further ops.learn.config.LearnerConfig fields, "
                                         "as JSON (e.g. the loss or advantage settings).")

@@ -191,7 +191,7 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
     resources = for_environment()
     production = resources["production_server"]
     started_servers = [p for p in (production.port, resources["trainer_server"].port) if vllm_server.status(p) is None]
-    rows, failure_rates, automation_state = [], [], {}
+    rows, failure_rates, overall_rates, automation_state = [], [], [], {}
     try:
         log("bootstrap: base policy (cached when unchanged)")
         boot = defs.resolve_job_def("bootstrap").execute_in_process(instance=instance, run_config=job_run_config(settings, "bootstrap"))
@@ -211,6 +211,7 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
             champion = registry.champion_version(uri, policies.REGISTERED_MODEL)
             traffic = production_traffic(production, champion, settings.traffic_per_cycle, lo, hi, seed=cycle)
             failure_rates += [{"cycle": cycle, "family": fam, "rate": rate} for fam, rate in traffic["failure_rate"].items()]
+            overall_rates.append({"cycle": cycle, "rate": traffic["overall_failure_rate"], "requests": traffic["requests"]})
             log(f"cycle {cycle}: {traffic['requests']} production requests (drift t {lo:.2f}-{hi:.2f}), "
                 f"failure rate {traffic['overall_failure_rate']:.2f}")
             # The MLflow parent run is closed by its outcome, or KILLED if Ctrl-C lands outside the run.
@@ -228,6 +229,7 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
         final = production_traffic(production, champion, settings.traffic_per_cycle, 1.0, 1.0, seed=10_000 + total)
         log(f"after cycle {total}: production failure rate {final['overall_failure_rate']:.2f}")
         failure_rates += [{"cycle": total + 1, "family": fam, "rate": rate} for fam, rate in final["failure_rate"].items()]
+        overall_rates.append({"cycle": total + 1, "rate": final["overall_failure_rate"], "requests": final["requests"]})
         print_failure_rates(failure_rates, task_world.DRIFT_FAMILIES + task_world.BOOTSTRAP_FAMILIES)
         if settings.automation:
             automation_state = hand_over_to_daemon(h, log)
@@ -236,8 +238,9 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
             vllm_server.stop(port)
         if started_mlflow:
             mlflow_server.stop(h)
-    summary = {"cycles": rows, "production_failure_rate": failure_rates, "automation": automation_state,
-               "wall_seconds": time.monotonic() - began}
+    summary = {"cycles": rows, "production_failure_rate": failure_rates, "overall_failure_rate": overall_rates,
+               "final_failure_rate": overall_rates[-1]["rate"] if overall_rates else None,
+               "automation": automation_state, "wall_seconds": time.monotonic() - began}
     if settings.summary:
         Path(settings.summary).write_text(json.dumps(summary, indent=2, default=str))
     return summary

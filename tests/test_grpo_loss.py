@@ -288,3 +288,22 @@ def test_reference_rows_as_a_supervised_term():
     # seq0: l = -0.5 * logp (whatever its advantage) -> d l / d logp = -0.5 / 6
     _close(logp.grad[0], [-0.5 / 6] * 3)
     _close(loss, (-0.5 * logp[0].sum().item() + (0.8 + 1.5 + 1.0)) / 6)
+
+
+def test_entropy_bonus_raises_entropy_and_its_coefficient_adapts():
+    from ops.learn.loss import adapt_entropy_coef, token_entropy
+
+    logits = torch.tensor([[[3.0, 0.0, -1.0], [2.0, 1.0, 0.0]]], requires_grad=True)  # [1, 2, 3]
+    ent = token_entropy(logits)
+    mask, adv = torch.ones(1, 2), torch.zeros(1)
+    zeros = torch.zeros(1, 2)
+    loss, _ = grpo_loss(zeros, zeros, zeros, adv, mask, NO_TIS, entropy=ent, entropy_coef=0.5)
+    _close(loss, -0.5 * ent.mean().item())  # no advantage: the loss is the bonus alone
+    loss.backward()
+    with torch.no_grad():  # a small step against the gradient raises the entropy
+        assert token_entropy(logits - 0.1 * logits.grad).mean() > ent.mean()
+    cfg = LossConfig(entropy_target=0.3, entropy_coef_lr=0.1, entropy_coef_max=0.05)
+    assert adapt_entropy_coef(0.0, 0.1, cfg) == pytest.approx(0.02)  # below target: the bonus grows
+    assert adapt_entropy_coef(0.02, 0.9, cfg) == 0.0  # above target: it shrinks, never below 0
+    assert adapt_entropy_coef(0.04, 0.0, cfg) == 0.05  # capped
+    assert adapt_entropy_coef(0.01, 0.0, LossConfig()) == 0.01  # no target: fixed

@@ -176,3 +176,22 @@ def test_a_batch_without_signal_leaves_the_weights_alone():
     result = learner.train_step(batch)
     assert result.updates == [] and learner.optimizer_updates == 0
     assert all(torch.equal(w0[k], v) for k, v in weights(learner).items())
+
+
+def test_adaptive_entropy_bonus_and_reference_rows_in_a_real_step():
+    """A batch with a reference row (off-policy, behaviour log-probs 0.0) trains without a TIS
+    weight on it, the mismatch counts sampled rows only, and the adaptive entropy coefficient moves
+    toward its target across updates."""
+    loss = LossConfig(entropy_target=10.0, entropy_coef_lr=0.01, entropy_coef_max=0.05)  # far above: coef grows
+    learner = Learner(TINY, LearnerConfig(lr=1e-3, micro_batch_size=8, seed=3, updates_per_step=2, loss=loss))
+    rollouts, rewards = synthetic_tables(4, 4, vocab_size=TINY.vocab_size, seed=5)
+    rows = rollouts.to_pylist()
+    rows[0]["source"], rows[0]["behaviour_logprobs"] = "reference", [0.0] * len(rows[0]["completion_ids"])
+    import pyarrow as pa
+
+    batch = build_training_batch(pa.Table.from_pylist(rows, schema=rollouts.schema), rewards, learner.cfg.advantage)
+    assert batch.stats.reference_samples == 1 and sum(s.off_policy for s in batch.samples) == 1
+    first, second = learner.train_step(batch).updates
+    assert first["entropy_coef"] == 0.0 and second["entropy_coef"] == pytest.approx(0.01 * (10.0 - first["entropy"]))
+    assert learner.entropy_coef == pytest.approx(min(0.05, second["entropy_coef"] + 0.01 * (10.0 - second["entropy"])))
+    assert math.isfinite(second["loss"]) and first["mismatch"] > 0  # random behaviour log-probs on the sampled rows

@@ -166,6 +166,7 @@ def _resume(learner: Learner, latest: Path) -> tuple[int, str]:
     if "rng" in state:
         torch.set_rng_state(state["rng"][f"rank{world.rank()}"])
     learner.optimizer_updates = int(meta["optimizer_updates"])
+    learner.entropy_coef = float(meta.get("entropy_coef", learner.entropy_coef))
     return int(meta["policy_version"]), str(latest)
 
 
@@ -239,6 +240,7 @@ def _checkpoint_meta(job: LearnerJob, policy: PolicyConfig, learner: Learner, st
         "policy_version": start.version_out,
         "parent_policy_version": start.version_in,
         "optimizer_updates": learner.optimizer_updates,
+        "entropy_coef": learner.entropy_coef,
         "batch_id": result["batch_id"],
         "world_size": world.world_size(),
         "expert_parallel": job.learner.expert_parallel,

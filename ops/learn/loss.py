@@ -101,6 +101,18 @@ class LossConfig(BaseModel):
         ),
     ] = "clip"
     shaping_gamma: Annotated[float, Field(gt=0, description="LUFFY's shaping constant ('shaped')")] = 0.1
+    entropy_coef: Annotated[
+        float, Field(ge=0, description="Weight of the entropy bonus -coef * H (token-mean over trained tokens); the "
+                     "starting value when entropy_target is set")
+    ] = 0.0
+    entropy_target: Annotated[
+        float | None,
+        Field(gt=0, description="Adaptive entropy bonus: after each update the coefficient moves by entropy_coef_lr * "
+              "(target - entropy), within [0, entropy_coef_max], so the policy's entropy (nats/token) is held near "
+              "the target instead of collapsing; None keeps entropy_coef fixed"),
+    ] = None
+    entropy_coef_lr: Annotated[float, Field(gt=0, description="Step of the adaptive entropy coefficient")] = 0.05
+    entropy_coef_max: Annotated[float, Field(ge=0, description="Largest adaptive entropy coefficient")] = 0.05
     sft_coef: Annotated[float, Field(ge=0, description="Weight of the supervised term on reference rows ('sft')")] = 1.0
 
     @classmethod
@@ -147,6 +159,8 @@ def grpo_loss(
     *,
     loss_normalizer: float | None = None,
     off_policy: Tensor | None = None,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[Tensor, LossStats]:
     """Clipped policy-gradient loss for one (micro-)batch; see the module docstring for the math.
 
@@ -154,7 +168,9 @@ def grpo_loss(
     be anything, even inf), so tool tokens and padding have no effect on loss or gradient.
     `loss_normalizer` replaces the local denominator (trained tokens for token-mean, sequences for
     sequence-mean) so that micro-batches of one step can share the global one under gradient
-    accumulation. `off_policy` [B] bool marks reference rows, trained as `cfg.off_policy` says. A batch with no trained token gives a zero loss still attached to the graph,
+    accumulation. `off_policy` [B] bool marks reference rows, trained as `cfg.off_policy` says. `entropy` [B, T]
+    (per-token entropy of the policy, with its gradient) adds the bonus -entropy_coef * H, aggregated
+    like the loss, on sampled tokens only (a reference row's tokens are not the policy's choices). A batch with no trained token gives a zero loss still attached to the graph,
     so every data-parallel rank can call backward.
     """
     _check_inputs(logp, logp_old, logp_behaviour, advantages, mask, logp_ref, cfg, loss_normalizer)
@@ -178,6 +194,9 @@ def grpo_loss(
     pg_loss = _aggregate(pg_tok, x, cfg.aggregation, loss_normalizer)
     kl = _aggregate(k3, x, cfg.aggregation, loss_normalizer) if k3 is not None else x.zero
     loss = pg_loss + cfg.kl_coef * kl if cfg.kl_coef > 0 else pg_loss
+    if entropy is not None and entropy_coef > 0:
+        loss = loss - entropy_coef * _aggregate(torch.where(sampled.bool(), entropy, x.zero), x, cfg.aggregation,
+                                                loss_normalizer)
     if x.n_tokens == 0:
         loss = (logp * 0).sum()  # nothing to train; keep the graph so backward runs
     stats = _loss_stats(loss, pg_loss, kl, ratio, tis_w, x, cfg, on_behaviour=logp_old is None, sampled=sampled)
@@ -304,6 +323,19 @@ def _loss_stats(loss: Tensor, pg_loss: Tensor, kl: Tensor, ratio: Tensor, tis_w:
     )
 
 
+def token_entropy(logits: Tensor) -> Tensor:
+    """Per-position entropy H = -sum_v p_v log p_v of logits [B, T, V] -> [B, T] (with its gradient)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def adapt_entropy_coef(coef: float, entropy: float, cfg: LossConfig) -> float:
+    """The adaptive entropy coefficient after an update that measured `entropy` (nats/token)."""
+    if cfg.entropy_target is None:
+        return coef
+    return min(max(coef + cfg.entropy_coef_lr * (cfg.entropy_target - entropy), 0.0), cfg.entropy_coef_max)
+
+
 def entropy_from_logits(logits: Tensor, mask: Tensor) -> Tensor:
     """Mean per-token entropy H = -sum_v p_v log p_v over masked positions of logits [B, T, V].
 
@@ -312,7 +344,6 @@ def entropy_from_logits(logits: Tensor, mask: Tensor) -> Tensor:
     """
     if logits.ndim != 3 or logits.shape[:2] != mask.shape:
         raise ValueError(f"logits must be [B, T, V] with mask [B, T]; got {tuple(logits.shape)} and {tuple(mask.shape)}")
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    ent = -(logp.exp() * logp).sum(dim=-1)
+    ent = token_entropy(logits)
     mf = mask.bool().to(ent.dtype)
     return (ent * mf).sum() / mf.sum().clamp(min=1)

@@ -77,7 +77,7 @@ NUMERIC_KEYS = ("loss", "pg_loss", "kl", "clip_fraction", "clip_low_fraction", "
                 "ratio_max", "ratio_min", "tis_weight_mean", "mismatch", "behaviour_ratio_mean", "behaviour_ratio_max",
                 "entropy", "load_balancing_loss", "aux_loss", "router_balance_entropy", "router_balance_entropy_min",
                 "router_max_load", "router_min_load", "grad_norm", "lr", "step_seconds", "tokens_per_s",
-                "trained_tokens_per_s", "num_tokens", "num_sequences", "tokens")
+                "trained_tokens_per_s", "num_tokens", "num_sequences", "tokens", "entropy_coef")
 
 
 def scalar_metrics(update: dict) -> dict[str, float]:

@@ -44,7 +44,7 @@ from torch import Tensor
 from ops.learn.batch import TrainingBatch, TrainingSample
 from ops.learn.config import LearnerConfig
 from ops.learn.errors import LearnerError
-from ops.learn.loss import grpo_loss
+from ops.learn.loss import adapt_entropy_coef, grpo_loss, token_entropy
 from ops.learn.metrics import UpdateSums
 from ops.learn.micro_batches import MicroBatch, collate_rows, plan_micro_batches, row_temperatures
 from ops.learn.moe_stats import AuxLossMeter, RouterStats, set_aux_loss_scale
@@ -94,6 +94,7 @@ class Learner:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.optimizer_updates = 0  # over the whole campaign; drives LR warm-up and metric steps
+        self.entropy_coef = cfg.loss.entropy_coef  # adaptive when loss.entropy_target is set; kept in checkpoints
         self.reference = None
 
     # -- the step --
@@ -108,7 +109,10 @@ class Learner:
         result.micro_batches = plan.real_global
         self.ddp.train()
         for u in range(self.cfg.updates_per_step):
-            metrics = self._update(plan) | {"update": u + 1, "optimizer_step": self.optimizer_updates}
+            coef = self.entropy_coef
+            metrics = self._update(plan) | {"update": u + 1, "optimizer_step": self.optimizer_updates,
+                                            "entropy_coef": coef}
+            self.entropy_coef = adapt_entropy_coef(coef, metrics["entropy"], self.cfg.loss)
             result.updates.append(metrics)
             if on_update is not None:
                 on_update(metrics)
@@ -156,8 +160,10 @@ class Learner:
         logp = logprobs_from_logits(logits, mb.tokens)
         if plan.logp_old[i] is None:
             plan.logp_old[i] = logp.detach()  # the weights at the start of the step
+        entropy = token_entropy(logits[:, :-1]) if self.entropy_coef > 0 else None
         loss, stats = grpo_loss(logp, plan.logp_old[i], mb.behaviour, mb.advantages, mb.target_mask, self.cfg.loss,
-                                plan.logp_ref[i], loss_normalizer=plan.normalizer, off_policy=mb.off_policy)
+                                plan.logp_ref[i], loss_normalizer=plan.normalizer, off_policy=mb.off_policy,
+                                entropy=entropy, entropy_coef=self.entropy_coef)
         (loss * self.dp_size).backward()
         aux = self.aux_loss.take()
         if mb.real:

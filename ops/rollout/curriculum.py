@@ -8,12 +8,13 @@ project already knows of each task, read from the stored rollouts and rewards of
 - a pass-rate estimate per task, `(passes + k * prior) / (attempts + k)`, whose prior is the
   pass rate of the task's family over the same history (so a family the policy has solved is
   replayed at low weight even through tasks it never saw), and 0.5 with no history at all;
-- the weight of a task is `p * (1 - p)`, the reward variance of one sample: largest for tasks
-  the policy solves sometimes, smallest (but never below `min_weight`, so solved families are
-  still replayed a little and nothing is starved forever) for tasks it always or never solves;
-- a task whose recent groups all failed (`fail_streak`) is a hard task: exploration guidance
-  (ops/rollout/dynamic.py) writes its reference solution into its group, which makes the group
-  informative, so hard tasks keep the weight of an uncertain one (`hard_weight`) and are retried.
+- the weight of a task is the probability that its group of G samples teaches something, i.e.
+  that its rewards differ: `1 - p^G - (1 - p)^G`. Where guidance is on (ops/rollout/dynamic.py
+  writes the reference solution into a group whose samples all fail), an all-fail group teaches
+  too, counted at `guided_value` of an uncertain one: `1 - p^G - (1 - guided_value) (1 - p)^G`.
+  So the weight is largest for tasks the policy solves sometimes, stays high for never-solved
+  tasks that guidance can teach (a hard pool retried every cycle), and is smallest for solved
+  tasks, never below `min_weight` (solved families are still replayed a little).
 
 The choice is a weighted sample without replacement, seeded by the cycle and the round, so a
 retried cycle attempts the same tasks. Every choice is recorded with its estimate and weight
@@ -43,8 +44,10 @@ class CurriculumConfig(BaseModel):
     enabled: Annotated[bool, Field(description="Weight tasks by their estimated pass rate; False = uniform sample")] = True
     history_cycles: Annotated[int, Field(ge=1, description="Earlier cycles whose rollouts and rewards the estimate reads")] = 4
     prior_strength: Annotated[float, Field(gt=0, description="Pseudo-attempts of the family prior in a task's estimate")] = 2.0
-    min_weight: Annotated[float, Field(gt=0, le=0.25, description="Floor of a task's weight (solved tasks still replayed)")] = 0.02
-    hard_weight: Annotated[float, Field(gt=0, le=0.25, description="Weight of a hard task (its groups are guided)")] = 0.25
+    min_weight: Annotated[float, Field(gt=0, le=1, description="Floor of a task's weight (solved tasks still replayed)")] = 0.05
+    guided_value: Annotated[
+        float, Field(ge=0, le=1, description="What a guided all-fail group is worth next to an uncertain one")
+    ] = 0.5
 
 
 @dataclass
@@ -123,20 +126,22 @@ class TaskChoice:
                 "weight": round(self.weight, 4), "fail_streak": self.fail_streak}
 
 
-def task_weight(task: Task, history: History, cfg: CurriculumConfig, guide_after: int) -> tuple[float, float]:
-    """(estimated pass rate, sampling weight) of a task."""
+def task_weight(task: Task, history: History, cfg: CurriculumConfig, guide_after: int,
+                group_size: int) -> tuple[float, float]:
+    """(estimated pass rate, sampling weight) of a task: the chance its group has reward variance."""
     p = history.pass_rate(task, cfg.prior_strength)
-    if guide_after and history.fail_streak(task.task_id) >= guide_after:
-        return p, cfg.hard_weight
-    return p, max(p * (1 - p), cfg.min_weight)
+    guided = bool(guide_after) and history.fail_streak(task.task_id) + 1 >= guide_after
+    all_fail_kept = cfg.guided_value if guided else 0.0
+    informative = 1 - p**group_size - (1 - all_fail_kept) * (1 - p) ** group_size
+    return p, max(informative, cfg.min_weight)
 
 
 def choose_tasks(pool: list[Task], k: int, history: History, cfg: CurriculumConfig, *, guide_after: int,
-                 seed: str) -> list[TaskChoice]:
+                 group_size: int, seed: str) -> list[TaskChoice]:
     """Up to `k` distinct tasks of `pool`, a weighted sample without replacement (uniform when the
     curriculum is off), in task-id order; the same for the same inputs and seed."""
     rng = random.Random(seed)
-    scored = [(t, *task_weight(t, history, cfg, guide_after)) for t in sorted(pool, key=lambda t: t.task_id)]
+    scored = [(t, *task_weight(t, history, cfg, guide_after, group_size)) for t in sorted(pool, key=lambda t: t.task_id)]
     if not cfg.enabled:
         scored = [(t, p, 1.0) for t, p, _ in scored]
     # Efraimidis-Spirakis: the k largest u^(1/w) are a weighted sample without replacement.

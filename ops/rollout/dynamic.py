@@ -124,7 +124,7 @@ def sample_informative(
             break
         t0 = time.monotonic()
         choices = choose_tasks(list(remaining.values()), want, history, cfg.curriculum, guide_after=cfg.guide_after,
-                               seed=f"rollout-tasks:{cycle}:{rnd}")
+                               group_size=sampling.group_size, seed=f"rollout-tasks:{cycle}:{rnd}")
         tasks = [c.task for c in choices]
         for t in tasks:
             del remaining[t.task_id]

@@ -4,6 +4,7 @@ in the same process (ratio > 1: the project's path is faster than the baseline).
 from __future__ import annotations
 
 import importlib
+import sys
 
 from pipelines.cli import UserError, print_json
 
@@ -12,12 +13,16 @@ BENCHES = {
     "learner": ("ops.bench.learner", "learner step vs a bare megatron-core forward/backward/optimizer loop (tokens/s)"),
     "verify": ("ops.bench.verify", "batched, pooled sandbox verification vs one sandbox per verification"),
     "harvest": ("ops.bench.harvest", "validating harvester vs a plain pyarrow.dataset scan (records/s, peak memory)"),
+    "learning": ("pipelines.bench_learning", "ablation of the learning settings: demos from the same base, seeds and "
+                 "fresh traffic (final failure rate of the plain loop / of the defaults)"),
 }
 
 
 def add_arguments(p) -> None:
     p.add_argument("name", choices=sorted(BENCHES), help="; ".join(f"{k}: {v[1]}" for k, v in BENCHES.items()))
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--cycles", type=int, default=3, help="learning only: cycles per configuration (default 3)")
+    p.add_argument("--only", metavar="NAMES", help="learning only: comma-separated configurations to run (default all)")
     p.add_argument("--hacks", action="store_true",
                    help="verify only: run the reward-hacking suite (every attack must score 0 and be flagged, "
                         "the honest responses 1) instead of the speed bench")
@@ -33,6 +38,8 @@ def run(args) -> int:
         if e.name != module_name:
             raise
         raise UserError(f"benchmark {args.name!r} is not available in this build") from None
+    if args.name == "learning":
+        return _learning(module, args)
     result = module.run_bench()
     if args.json:
         print_json(result)
@@ -40,6 +47,21 @@ def run(args) -> int:
         print(f"{result['name']}: ratio {result['ratio']:.3f} (candidate / baseline; > 1 means Perpetua's path is faster)")
         for side in ("baseline", "candidate"):
             print(f"  {side}: {result[side]}")
+    return 0
+
+
+def _learning(module, args) -> int:
+    if args.cycles < 1:
+        raise UserError("--cycles must be at least 1")
+    only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+    try:
+        result = module.run_bench(cycles=args.cycles, only=only, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except (ValueError, RuntimeError) as e:
+        raise UserError(str(e)) from None
+    if args.json:
+        print_json(result)
+        return 0
+    print(module.format_table(result))
     return 0
 
 

@@ -1,0 +1,174 @@
+"""`perpetua bench learning`: the ablation of the loop's learning settings.
+
+Each configuration is one `perpetua demo` (a subprocess, in its own PERPETUA_HOME under
+PERPETUA_HOME/bench/learning/NAME, so nothing is shared but the base policy), with the same
+number of cycles, the same base policy (bootstrapped once, copied), the same seeds and so the same
+production traffic requests. A configuration is a run config over the defaults of the cycle job
+(`CONFIGS`): today's defaults ("defaults"), the loop without any of the learning changes
+("plain": one round of uniformly chosen tasks, no guidance), each change alone on top of "plain",
+and the guidance variants. Reported per configuration, from what the demo recorded:
+
+- the production failure rate per family on the fresh traffic after the last cycle (the same
+  requests for every configuration), and overall;
+- the deciding-set pass@1 per family of the policy serving at the end (the last cycle's
+  candidate if it was deployed, else its champion); the deciding set is the one no policy's
+  outcomes selected, regenerated per cycle from held-out tasks;
+- informative samples per cycle, CPU core-seconds of the cycles and intelligence per dollar.
+
+`ratio` = plain's overall final failure rate / the defaults' (> 1: the defaults fail less on
+the same fresh traffic). Long: about five minutes per configuration on the embedded default;
+`--only` picks configurations, `--cycles` sets the cycles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from ops.common.paths import home
+from ops.tasks.task_world import DRIFT_FAMILIES
+
+PLAIN_ROLLOUTS = {"curriculum": False, "min_informative_groups": 0, "max_rounds": 1, "guide_after": 0}
+
+
+def _cycle_config(rollouts: dict | None = None, learner: dict | None = None) -> dict:
+    ops: dict = {}
+    if rollouts:
+        ops["rollouts"] = {"config": rollouts}
+    if learner:
+        ops["policy_checkpoint"] = {"config": learner}
+    return {"perpetua_cycle": {"ops": ops}} if ops else {}
+
+
+def _loss(**loss) -> dict:
+    return {"learner_overrides_json": json.dumps({"loss": loss})}
+
+
+CONFIGS: dict[str, tuple[str, dict]] = {
+    "defaults": ("every change, as shipped", {}),
+    "plain": ("one round of uniformly chosen tasks, no guidance (the loop before these changes)",
+              _cycle_config(PLAIN_ROLLOUTS)),
+    "+refill": ("plain + dynamic-sampling refill rounds", _cycle_config(PLAIN_ROLLOUTS | {"min_informative_groups": 32,
+                                                                                        "max_rounds": 3})),
+    "+curriculum": ("plain + tasks weighted by estimated pass rate", _cycle_config(PLAIN_ROLLOUTS | {"curriculum": True})),
+    "+guidance": ("plain + reference solutions in never-solved groups (clip)", _cycle_config(PLAIN_ROLLOUTS | {"guide_after": 1})),
+    "guidance-shaped": ("defaults with LUFFY-shaped reference rows", _cycle_config(learner=_loss(off_policy="shaped"))),
+    "guidance-sft": ("defaults with reference rows as a supervised term", _cycle_config(learner=_loss(off_policy="sft"))),
+    "temperature-1.2": ("defaults sampling at T = 1.2 (the learner tempers the same)",
+                        _cycle_config({"temperature": 1.2})),
+}
+BASELINE, CANDIDATE = "plain", "defaults"
+
+
+def run_config(name: str, root: Path, cycles: int, base: Path | None, log=print) -> dict:
+    """One configuration's demo, in its own home; its summary plus the final eval report."""
+    description, config = CONFIGS[name]
+    h = root / name.replace("+", "plus-")
+    if h.exists():
+        shutil.rmtree(h)
+    (h / "models").mkdir(parents=True)
+    if base is not None:
+        shutil.copytree(base, h / "models" / "base")
+    config_path = h / "run-config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    summary_path = h / "demo-summary.json"
+    command = [sys.executable, "-m", "pipelines.cli", "demo", "--cycles", str(cycles), "--summary", str(summary_path),
+               "--run-config", str(config_path), "--no-automation"]
+    log(f"bench learning: {name} ({description}) in {h}")
+    start = time.monotonic()
+    with open(h / "demo.log", "w") as out:
+        proc = subprocess.run(command, env={**os.environ, "PERPETUA_HOME": str(h)}, stdout=out, stderr=subprocess.STDOUT,
+                              cwd=Path(__file__).resolve().parent.parent)
+    if proc.returncode != 0 or not summary_path.exists():
+        raise RuntimeError(f"the demo of configuration {name!r} failed (exit {proc.returncode}); see {h / 'demo.log'}")
+    return summarize(name, h, json.loads(summary_path.read_text()), time.monotonic() - start)
+
+
+def summarize(name: str, h: Path, summary: dict, wall: float) -> dict:
+    """The ablation row of one configuration from its demo summary and eval reports."""
+    rates = summary["production_failure_rate"]
+    last = max(r["cycle"] for r in rates)
+    final = {r["family"]: round(r["rate"], 4) for r in rates if r["cycle"] == last}
+    first = {r["family"]: r["rate"] for r in rates if r["cycle"] == min(x["cycle"] for x in rates)}
+    rows = summary["cycles"]
+    report = json.loads((h / "data" / "eval_report" / f"cycle={rows[-1]['cycle']}.json").read_text())
+    serving = report["candidate"] if rows[-1]["deployed"] else report["champion"]
+    cpu = 0.0
+    for row in rows:
+        path = h / "data" / "eval_report" / f"cycle={row['cycle']}.json"
+        if path.exists():
+            cpu += sum(s["cpu_core_seconds"] for s in json.loads(path.read_text())["cost"]["stages"])
+    spent = sum(r["cost_usd"] or 0.0 for r in rows)
+    gain = (rows[-1]["candidate_score"] if rows[-1]["deployed"] else rows[-1]["champion_score"]) - rows[0]["champion_score"]
+    return {
+        "name": name,
+        "description": CONFIGS[name][0],
+        "final_failure_rate": final,
+        "final_failure_rate_overall": _overall(summary),
+        "first_failure_rate": {k: round(v, 4) for k, v in first.items()},
+        "deciding_pass_at_1": {f: round(v["pass_at_1"], 4) for f, v in serving["deciding"]["per_family"].items()},
+        "deciding_pass_at_1_overall": round(serving["deciding"]["pass_at_1"], 4),
+        "informative_samples": [r["informative_samples"] for r in rows],
+        "rollouts": [r["rollouts"] for r in rows],
+        "deployed": [r["deployed"] for r in rows],
+        "cpu_core_seconds": round(cpu, 1),
+        "cost_usd": round(spent, 6),
+        "intelligence_per_dollar": round(gain / spent, 2) if spent else None,
+        "wall_seconds": round(wall, 1),
+    }
+
+
+def _overall(summary: dict) -> float | None:
+    """The overall failure rate of the traffic after the last cycle, as the demo logged it."""
+    return summary.get("final_failure_rate")
+
+
+def run_bench(cycles: int = 3, only: list[str] | None = None, log=print) -> dict:
+    names = only or list(CONFIGS)
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
+    root = home().ensure().root / "bench" / "learning"
+    base: Path | None = None
+    results = []
+    for name in names:
+        results.append(run_config(name, root, cycles, base, log))
+        if base is None:  # every later configuration starts from the same bootstrapped base policy
+            base = root / name.replace("+", "plus-") / "models" / "base"
+    by_name = {r["name"]: r for r in results}
+    baseline, candidate = by_name.get(BASELINE), by_name.get(CANDIDATE)
+    ratio = None
+    if baseline and candidate and candidate["final_failure_rate_overall"]:
+        ratio = baseline["final_failure_rate_overall"] / candidate["final_failure_rate_overall"]
+    return {"name": "learning", "ratio": ratio, "cycles": cycles,
+            "what": "final production failure rate of 'plain' / of 'defaults' on the same fresh traffic (> 1: the "
+                    "defaults fail less)",
+            "baseline": baseline, "candidate": candidate, "configs": results}
+
+
+def format_table(result: dict) -> str:
+    """The ablation as a Markdown table (the README's): one row per configuration."""
+    families = sorted({f for r in result["configs"] for f in r["final_failure_rate"]},
+                      key=lambda f: (f not in DRIFT_FAMILIES, f))
+    head = ["config", "failure after (overall)"] + [f"{f} fail" for f in families] + [
+        "deciding pass@1", "informative / rollouts", "CPU s", "intelligence/$"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in result["configs"]:
+        inf = "; ".join(f"{i}/{n}" for i, n in zip(r["informative_samples"], r["rollouts"]))
+        cells = [r["name"], _fmt(r["final_failure_rate_overall"])] + [_fmt(r["final_failure_rate"].get(f)) for f in families]
+        cells += [_fmt(r["deciding_pass_at_1_overall"]), inf, f"{r['cpu_core_seconds']:.0f}",
+                  _fmt(r["intelligence_per_dollar"], ".1f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(x, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+

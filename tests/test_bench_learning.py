@@ -1,0 +1,64 @@
+"""`perpetua bench learning`: the ablation's configurations are valid run configs of the cycle
+job, its rows are read from what the demo recorded, and bad arguments are refused clearly.
+(A full ablation runs one demo per configuration, minutes each: it is a benchmark, not a test;
+the README's table is its output.)"""
+
+from __future__ import annotations
+
+import json
+
+import dagster as dg
+import pytest
+
+from assets.cycle import CYCLE_JOB
+from pipelines import bench_learning
+from pipelines.cli import main
+
+
+@pytest.mark.parametrize("name", sorted(bench_learning.CONFIGS))
+def test_every_configuration_is_a_valid_run_config(name):
+    from pipelines.definitions import defs
+
+    config = bench_learning.CONFIGS[name][1].get(CYCLE_JOB, {})
+    assert set(bench_learning.CONFIGS[name][1]) <= {CYCLE_JOB}
+    dg.validate_run_config(defs.resolve_job_def(CYCLE_JOB), config)
+
+
+def test_row_and_table_from_a_demo_summary(tmp_path):
+    reports = tmp_path / "data" / "eval_report"
+    reports.mkdir(parents=True)
+    for cycle, cpu in ((1, 10.0), (2, 12.5)):
+        per_family = {"add_words": {"pass_at_1": 0.25 * cycle}, "add": {"pass_at_1": 1.0}}
+        (reports / f"cycle={cycle}.json").write_text(json.dumps({
+            "cost": {"stages": [{"cpu_core_seconds": cpu}, {"cpu_core_seconds": 1.0}]},
+            "champion": {"deciding": {"pass_at_1": 0.1 * cycle, "per_family": per_family}},
+            "candidate": {"deciding": {"pass_at_1": 0.2 * cycle, "per_family": per_family}},
+        }))
+    summary = {
+        "cycles": [
+            {"cycle": 1, "deployed": False, "champion_score": 0.1, "candidate_score": 0.05, "cost_usd": 0.001,
+             "informative_samples": 40, "rollouts": 400},
+            {"cycle": 2, "deployed": True, "champion_score": 0.1, "candidate_score": 0.4, "cost_usd": 0.002,
+             "informative_samples": 300, "rollouts": 420},
+        ],
+        "production_failure_rate": [{"cycle": c, "family": f, "rate": r} for c, f, r in
+                                    ((1, "add_words", 1.0), (1, "add", 0.0), (3, "add_words", 0.25), (3, "add", 0.0))],
+        "final_failure_rate": 0.125,
+    }
+    row = bench_learning.summarize("defaults", tmp_path, summary, wall=99.0)
+    assert row["final_failure_rate"] == {"add_words": 0.25, "add": 0.0}
+    assert row["first_failure_rate"] == {"add_words": 1.0, "add": 0.0}
+    assert row["final_failure_rate_overall"] == 0.125
+    assert row["deciding_pass_at_1_overall"] == pytest.approx(0.4)  # the deployed candidate of the last cycle
+    assert row["cpu_core_seconds"] == pytest.approx(24.5)
+    assert row["intelligence_per_dollar"] == pytest.approx((0.4 - 0.1) / 0.003, rel=1e-3)
+    table = bench_learning.format_table({"configs": [row]})
+    assert table.splitlines()[0].startswith("| config | failure after (overall) | add_words fail | add fail")
+    assert "| defaults | 0.12 | 0.25 | 0.00 |" in table and "40/400; 300/420" in table
+
+
+def test_unknown_configuration_is_a_clear_error(capsys, perpetua_home):
+    assert main(["bench", "learning", "--only", "no-such-config"]) != 0
+    assert "unknown configuration" in capsys.readouterr().err
+    assert main(["bench", "learning", "--cycles", "0"]) != 0
+    assert "--cycles must be at least 1" in capsys.readouterr().err
