@@ -33,6 +33,7 @@ from ops.common.lineage import (
     Hop,
     Missing,
     inputs_from_tags,
+    learned_from_of,
     trace_ids_of,
 )
 from ops.common.tracking import (
@@ -309,5 +310,6 @@ def _with_trace_ids(audit: Audit) -> Audit:
     ids, source, gaps = trace_ids_of(audit)
     audit.trace_ids, audit.trace_ids_source = ids, source
     audit.missing.extend(gaps)
+    audit.learned_task_ids, audit.learned_trace_ids = learned_from_of(audit)
     return audit
 

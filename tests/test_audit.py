@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import dagster as dg
+import pyarrow.parquet as pq
 import pytest
 from test_harvest import rec  # module-level helper: one production trace record (sub_words tasks)
 
@@ -155,6 +156,11 @@ def cli_json(capsys, *argv) -> tuple[int, dict | None, str]:
     return code, (json.loads(out) if out.strip().startswith("{") else None), out + err
 
 
+def by_key_path(out: dict, key: str) -> str:
+    (hop,) = [h for h in out["hops"] if h["asset_key"] == key]
+    return hop["path"]
+
+
 def event_by_storage_id(instance, key: str, storage_id: int):
     for fetch in (instance.fetch_materializations, instance.fetch_observations):
         records = fetch(dg.AssetRecordsFilter(asset_key=dg.AssetKey(key), storage_ids=[storage_id]), limit=1).records
@@ -197,6 +203,13 @@ def test_audit_walks_a_real_chain_back_to_the_landed_trace_ids(project, capsys):
 
     # The trace ids are exactly the failures landed before the deployed cycle, each once.
     assert len(out["trace_ids"]) == len(set(out["trace_ids"])) and set(out["trace_ids"]) == landed
+    # What it learned from: the tasks of the rollouts' informative groups (all four: two right, two
+    # wrong each) and the traces those tasks were harvested from, a subset of every harvested one.
+    rollouts = pq.read_table(by_key_path(out, "rollouts")).to_pylist()
+    assert sorted(out["learned_from"]["task_ids"]) == sorted({r["task_id"] for r in rollouts})
+    tasks = pq.read_table(by_key_path(out, "training_tasks")).to_pylist()
+    expected = {t for r in tasks if r["task_id"] in {x["task_id"] for x in rollouts} for t in (r["source_trace_ids"] or [])}
+    assert expected and set(out["learned_from"]["trace_ids"]) == expected <= landed
 
     # Every hop agrees with the Dagster event log: its own event, its run, and what its
     # downstream recorded as input (data version and event pointer).

@@ -47,6 +47,8 @@ CONTINUES_FROM = "continues_from_data_version"
 
 HARVESTED_FAILURES = "harvested_failures"
 TRAINING_TASKS = "training_tasks"
+ROLLOUTS = "rollouts"
+VERIFIED_REWARDS = "verified_rewards"
 _BATCH_FILE = re.compile(r"^batch-(\d+)\.parquet$")
 
 
@@ -137,6 +139,8 @@ class Audit:
     alias: str | None = None
     registry_tags: dict[str, str] = field(default_factory=dict)
     trace_ids_source: str | None = None
+    learned_task_ids: list[str] = field(default_factory=list)  # tasks of informative groups in the lineage's rollouts
+    learned_trace_ids: list[str] = field(default_factory=list)  # the production traces those tasks came from
 
     def hops_for(self, asset_key: str) -> list[Hop]:
         return [h for h in self.hops if h.asset_key == asset_key]
@@ -196,6 +200,7 @@ class Audit:
             "problems": self.problems(),
             "trace_ids_source": self.trace_ids_source,
             "registry_tags": dict(sorted(self.registry_tags.items())),
+            "learned_from": {"task_ids": list(self.learned_task_ids), "trace_ids": list(self.learned_trace_ids)},
         }
 
 
@@ -263,6 +268,35 @@ def trace_ids_of(audit: Audit) -> tuple[list[str], str | None, list[Missing]]:
     return unique, "; ".join(sources) or None, missing
 
 
+def learned_from_of(audit: Audit) -> tuple[list[str], list[str]]:
+    """(task ids, production trace ids) the model actually learned from: the tasks of the groups
+    whose verified rewards differ in the lineage's rollouts (what the learner kept; a group with a
+    reference solution counts), and the traces those tasks were harvested from. The trace ids of
+    `trace_ids_of` are every harvested failure upstream, sampled or not; these are the subset
+    that reached a gradient. Tables no longer on disk are skipped (the hops' `missing` says so)."""
+    rewards_by_cycle = {h.metadata.get("cycle"): h.metadata.get("path") for h in audit.hops_for(VERIFIED_REWARDS)}
+    learned: list[str] = []
+    for hop in audit.hops_for(ROLLOUTS):
+        rollouts, rewards = hop.metadata.get("path"), rewards_by_cycle.get(hop.metadata.get("cycle"))
+        if not (isinstance(rollouts, str) and isinstance(rewards, str) and Path(rollouts).exists() and Path(rewards).exists()):
+            continue
+        reward = {(r["group_id"], r["sample_index"]): r["reward"] for r in
+                  pq.read_table(rewards, columns=["group_id", "sample_index", "reward"]).to_pylist()}
+        values: dict[str, tuple[str, set]] = {}
+        for r in pq.read_table(rollouts, columns=["group_id", "sample_index", "task_id"]).to_pylist():
+            if (key := (r["group_id"], r["sample_index"])) in reward:
+                values.setdefault(r["group_id"], (r["task_id"], set()))[1].add(reward[key])
+        learned += [task for task, seen in values.values() if len(seen) > 1]
+    tasks = list(dict.fromkeys(learned))
+    wanted, traces = set(tasks), []
+    for hop in audit.hops_for(TRAINING_TASKS):
+        path = hop.metadata.get("path")
+        if isinstance(path, str) and Path(path).exists():
+            table = pq.read_table(path, columns=["task_id", "source_trace_ids"]).to_pylist()
+            traces += [t for r in table if r["task_id"] in wanted for t in (r["source_trace_ids"] or [])]
+    return tasks, list(dict.fromkeys(traces))
+
+
 # ---- text output ---------------------------------------------------------------------------
 
 
@@ -290,4 +324,6 @@ def format_audit(audit: Audit, max_trace_ids: int = 10) -> str:
     shown = ", ".join(audit.trace_ids[:max_trace_ids])
     more = f" ... (+{len(audit.trace_ids) - max_trace_ids} more)" if len(audit.trace_ids) > max_trace_ids else ""
     lines.append(f"production trace ids ({len(audit.trace_ids)}): {shown}{more}")
+    lines.append(f"learned from {len(audit.learned_task_ids)} tasks in informative groups, harvested from "
+                 f"{len(audit.learned_trace_ids)} of those traces")
     return "\n".join(lines)
