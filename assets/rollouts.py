@@ -32,8 +32,8 @@ class RolloutsConfig(dg.Config):
     guide_after: int = Field(default=1, description="Write the reference solution into the group of a task that "
                              "failed every sample this many groups in a row (0 = no guidance).")
     curriculum: bool = Field(default=True, description="Weight tasks by estimated pass rate (False = uniform).")
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = Field(default=1.0, description="Sampling temperature (> 0; the learner tempers its logits the same).")
+    top_p: float = Field(default=1.0, description="Must stay 1: the learner does not renormalize a nucleus.")
     max_tokens: int = 64
     seed: int = 0
 
@@ -57,6 +57,9 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_
     refilled until enough groups carry signal; never-solved tasks get their reference solution in
     the group. Token ids, behaviour log-probs and loss masks per episode; every episode is a row,
     broken ones with their reason."""
+    if config.top_p != 1.0 or config.temperature <= 0:
+        raise dg.Failure(f"training rollouts need temperature > 0 and top_p 1 (got {config.temperature}, {config.top_p}): "
+                         "the learner scores softmax(logits / temperature) over the whole vocabulary")
     cycle = cycle_of(context)
     version = policies.latest_version()
     model_dir = policies.hf_dir(version)

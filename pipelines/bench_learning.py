@@ -60,7 +60,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "+curriculum": ("plain + tasks weighted by estimated pass rate", _cycle_config(PLAIN_ROLLOUTS | {"curriculum": True})),
     "+guidance": ("plain + reference solutions in never-solved groups (clip)", _cycle_config(PLAIN_ROLLOUTS | {"guide_after": 1})),
     "guidance-shaped": ("defaults with LUFFY-shaped reference rows", _cycle_config(learner=_loss(off_policy="shaped"))),
-    "guidance-sft": ("defaults with reference rows as a supervised term", _cycle_config(learner=_loss(off_policy="sft"))),
+    "guidance-sft": ("defaults with reference rows as a supervised term only", _cycle_config(learner=_loss(off_policy="sft", sft_coef=1.0))),
     "temperature-1.2": ("defaults sampling at T = 1.2 (the learner tempers the same)",
                         _cycle_config({"temperature": 1.2})),
 }

@@ -56,7 +56,8 @@ def test_one_cycle_through_dagster(perpetua_home, base_policy_dir, monkeypatch):
         job_assets = [defs.get_assets_def(k) for k in ("harvested_failures", "training_tasks", "rollouts",
                                                       "verified_rewards", "policy_checkpoint", "eval_report", "deployment")]
         checks = list(defs.get_repository_def().asset_checks_defs_by_key.values())
-        run_config = {"ops": {"rollouts": {"config": {"max_tasks": 16, "group_size": 4}},
+        run_config = {"ops": {"rollouts": {"config": {"max_tasks": 16, "group_size": 4, "min_informative_groups": 12,
+                                                      "max_groups": 24}},
                               "eval_report": {"config": {"drift_per_family": 6, "guard_per_family": 6, "production_tasks": 6}}}}
         with dg.instance_for_test() as instance:
             result = dg.materialize(job_assets + checks, resources=resources, instance=instance, run_config=run_config,
@@ -64,7 +65,17 @@ def test_one_cycle_through_dagster(perpetua_home, base_policy_dir, monkeypatch):
             meta = lambda a: {k: v.value for k, v in result.asset_materializations_for_node(a)[0].metadata.items()}  # noqa: E731
             assert meta("harvested_failures")["harvested"] == len(tasks)
             rollouts = meta("rollouts")
-            assert rollouts["rollouts"] == 16 * 4 and rollouts["policy_version"] == 0
+            assert rollouts["policy_version"] == 0
+            # Dynamic sampling on the real engine and verifiers: rounds of 4 samples per task, every
+            # episode kept, one reference row per guided group, the refill bounded by max_groups.
+            rounds = rollouts["rounds"]
+            assert rounds[0]["groups"] == 16 and sum(r["groups"] for r in rounds) == rollouts["groups"] <= 24
+            assert rollouts["policy_rollouts"] == 4 * rollouts["groups"]
+            assert rollouts["reference_rollouts"] == rollouts["guided_groups"] == sum(r["guided"] for r in rounds)
+            assert rollouts["rollouts"] == rollouts["policy_rollouts"] + rollouts["reference_rollouts"]
+            assert rollouts["informative_groups"] == sum(r["informative"] for r in rounds)
+            assert (rollouts["informative_groups"] >= 12) == (rollouts["refill_stopped"] == "target reached")
+            assert len(rollouts["task_choices"]) == rollouts["groups"]
             assert 0.0 <= meta("verified_rewards")["mean_reward"] <= 1.0
             assert meta("policy_checkpoint")["policy_version"] == 1
             report = meta("eval_report")

@@ -68,11 +68,13 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
     summary = json.loads((tmp_path / "first.json").read_text())
     (row,) = summary["cycles"]
     assert CYCLE_KEYS <= set(row) and row["cycle"] == 1 and row["policy_version"] == 1
-    assert row["rollouts"] == 16 * 4 and row["cost_usd"] > 0 and len(row["gain_ci"]) == 2
+    assert row["rollouts"] >= 16 * 4 and row["cost_usd"] > 0 and len(row["gain_ci"]) == 2  # refill rounds may add groups
     assert row["gate_test"] == "exact-mcnemar" and row["deciding_set_size"] > 0 and len(row["known_failures_fixed"]) == 2
     assert 0 <= row["informative_samples"] <= row["rollouts"]
     assert row["run_outcome"] in ("success", "gate-blocked") and row["deployed"] == (row["run_outcome"] == "success")
     assert {r["cycle"] for r in summary["production_failure_rate"]} == {1, 2}  # before cycle 1, and after it
+    assert [r["cycle"] for r in summary["overall_failure_rate"]] == [1, 2]
+    assert summary["final_failure_rate"] == summary["overall_failure_rate"][-1]["rate"]
     assert summary["automation"] == {"retraining_sensor": "RUNNING", "harvest_schedule": "RUNNING",
                                      "nightly_eval_schedule": "RUNNING"}
     landed_before_second, failures_before_second = _landed(home), _failure_trace_ids(home)

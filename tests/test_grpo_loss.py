@@ -288,6 +288,13 @@ def test_reference_rows_as_a_supervised_term():
     # seq0: l = -0.5 * logp (whatever its advantage) -> d l / d logp = -0.5 / 6
     _close(logp.grad[0], [-0.5 / 6] * 3)
     _close(loss, (-0.5 * logp[0].sum().item() + (0.8 + 1.5 + 1.0)) / 6)
+    with pytest.raises(ValidationError, match="sft_coef > 0"):
+        LossConfig(off_policy="sft")
+    # 'clip' with sft_coef: the clipped group term plus the unclipped supervised push
+    logp, old = _batch(CLIP_RATIOS)
+    loss, _ = grpo_loss(logp, old, old, CLIP_ADV, ONES, LossConfig(tis_cap=None, sft_coef=0.5), off_policy=off)
+    loss.backward()
+    _close(logp.grad[0], [(0.0 - 0.5) / 6, (-0.5 - 0.5) / 6, (-1.0 - 0.5) / 6])  # token 0 clipped, then + sft
 
 
 def test_entropy_bonus_raises_entropy_and_its_coefficient_adapts():

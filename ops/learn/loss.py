@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 from torch import Tensor
 
 
@@ -97,7 +97,7 @@ class LossConfig(BaseModel):
             "learner's start-of-step weights with the usual clip, no TIS weight, so each step's first update is the "
             "full advantage-weighted gradient however unlikely the solution was; 'shaped': in their group with "
             "LUFFY's policy shaping (Yan et al. 2025), surrogate A * p / (p + shaping_gamma), bounded and unclipped; "
-            "'sft': a supervised term sft_coef * NLL outside the groups (rejection-sampling fine-tuning)"
+            "'sft': outside the groups, trained by the supervised term alone (rejection-sampling fine-tuning)"
         ),
     ] = "clip"
     shaping_gamma: Annotated[float, Field(gt=0, description="LUFFY's shaping constant ('shaped')")] = 0.1
@@ -113,7 +113,17 @@ class LossConfig(BaseModel):
     ] = None
     entropy_coef_lr: Annotated[float, Field(gt=0, description="Step of the adaptive entropy coefficient")] = 0.05
     entropy_coef_max: Annotated[float, Field(ge=0, description="Largest adaptive entropy coefficient")] = 0.05
-    sft_coef: Annotated[float, Field(ge=0, description="Weight of the supervised term on reference rows ('sft')")] = 1.0
+    sft_coef: Annotated[
+        float,
+        Field(ge=0, description="Weight of a supervised term sft_coef * NLL on reference rows, added to what off_policy "
+              "does with them (an unclipped push on solution tokens the policy finds unlikely); 'sft' needs it > 0"),
+    ] = 0.0
+
+    @model_validator(mode="after")
+    def _check(self) -> "LossConfig":
+        if self.off_policy == "sft" and self.sft_coef <= 0:
+            raise ValueError("off_policy 'sft' trains reference rows by the supervised term alone: set sft_coef > 0")
+        return self
 
     @classmethod
     def gspo(cls, **overrides) -> LossConfig:
@@ -187,7 +197,9 @@ def grpo_loss(
             p = torch.exp(x.lp)
             surr = torch.where(off, x.adv * p / (p + cfg.shaping_gamma), surr)
         elif cfg.off_policy == "sft":
-            surr = torch.where(off, cfg.sft_coef * x.lp, surr)
+            surr = torch.where(off, x.zero, surr)
+        if cfg.sft_coef > 0:
+            surr = torch.where(off, surr + cfg.sft_coef * x.lp, surr)
     pg_tok = -tis_w * surr
     k3 = None if logp_ref is None else _k3(x.masked(logp_ref.detach()), x.lp)
 
