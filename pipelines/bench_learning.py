@@ -5,8 +5,8 @@ PERPETUA_HOME/bench/learning/NAME, so nothing is shared but the base policy), wi
 number of cycles, the same base policy (bootstrapped once, copied), the same seeds and so the same
 production traffic requests. A configuration is a run config over the defaults of the cycle job
 (`CONFIGS`): today's defaults ("defaults"), the loop without any of the learning changes
-("plain": one round of uniformly chosen tasks, no guidance), each change alone on top of "plain",
-and the guidance variants. Reported per configuration, from what the demo recorded:
+("plain": one round of uniformly chosen tasks, no guidance, 2 updates per step), each change
+alone on top of "plain", and variants of how reference rows are trained. Reported per configuration, from what the demo recorded:
 
 - the production failure rate per family on the fresh traffic after the last cycle (the same
   requests for every configuration), and overall;
@@ -36,6 +36,7 @@ from ops.common.paths import home
 from ops.tasks.task_world import DRIFT_FAMILIES
 
 PLAIN_ROLLOUTS = {"curriculum": False, "min_informative_groups": 0, "max_rounds": 1, "guide_after": 0}
+PLAIN_LEARNER = {"updates_per_step": 2}
 
 
 def _cycle_config(rollouts: dict | None = None, learner: dict | None = None) -> dict:
@@ -48,21 +49,31 @@ def _cycle_config(rollouts: dict | None = None, learner: dict | None = None) -> 
 
 
 def _loss(**loss) -> dict:
+    """Policy-checkpoint config overriding fields of the loss (the rest keep their defaults)."""
     return {"learner_overrides_json": json.dumps({"loss": loss})}
 
 
 CONFIGS: dict[str, tuple[str, dict]] = {
     "defaults": ("every change, as shipped", {}),
-    "plain": ("one round of uniformly chosen tasks, no guidance (the loop before these changes)",
-              _cycle_config(PLAIN_ROLLOUTS)),
-    "+refill": ("plain + dynamic-sampling refill rounds", _cycle_config(PLAIN_ROLLOUTS | {"min_informative_groups": 32,
-                                                                                        "max_rounds": 3})),
-    "+curriculum": ("plain + tasks weighted by estimated pass rate", _cycle_config(PLAIN_ROLLOUTS | {"curriculum": True})),
-    "+guidance": ("plain + reference solutions in never-solved groups (clip)", _cycle_config(PLAIN_ROLLOUTS | {"guide_after": 1})),
-    "guidance-shaped": ("defaults with LUFFY-shaped reference rows", _cycle_config(learner=_loss(off_policy="shaped"))),
-    "guidance-sft": ("defaults with reference rows as a supervised term only", _cycle_config(learner=_loss(off_policy="sft", sft_coef=1.0))),
-    "temperature-1.2": ("defaults sampling at T = 1.2 (the learner tempers the same)",
-                        _cycle_config({"temperature": 1.2})),
+    "plain": ("one round of uniformly chosen tasks, no guidance, 2 updates per step (the loop before these changes)",
+              _cycle_config(PLAIN_ROLLOUTS, PLAIN_LEARNER)),
+    "+refill": ("plain + dynamic-sampling refill rounds",
+                _cycle_config(PLAIN_ROLLOUTS | {"min_informative_groups": 32, "max_rounds": 3}, PLAIN_LEARNER)),
+    "+curriculum": ("plain + tasks weighted by estimated pass rate",
+                    _cycle_config(PLAIN_ROLLOUTS | {"curriculum": True}, PLAIN_LEARNER)),
+    "+guidance": ("plain + reference solutions in never-solved groups (clip + supervised term)",
+                  _cycle_config(PLAIN_ROLLOUTS | {"guide_after": 1}, PLAIN_LEARNER)),
+    "+temperature": ("plain sampling at T = 1.2 (the learner tempers the same)",
+                     _cycle_config(PLAIN_ROLLOUTS | {"temperature": 1.2}, PLAIN_LEARNER)),
+    "+entropy": ("plain + adaptive entropy bonus toward 0.3 nats/token",
+                 _cycle_config(PLAIN_ROLLOUTS, PLAIN_LEARNER | _loss(entropy_target=0.3))),
+    "+updates4": ("plain + 4 optimizer updates per step", _cycle_config(PLAIN_ROLLOUTS)),
+    "guidance-clip-only": ("defaults without the supervised term on reference rows",
+                           _cycle_config(learner=_loss(sft_coef=0.0))),
+    "guidance-shaped": ("defaults with LUFFY-shaped reference rows instead of clipped ones",
+                        _cycle_config(learner=_loss(off_policy="shaped"))),
+    "guidance-sft-only": ("defaults with reference rows trained by the supervised term only",
+                          _cycle_config(learner=_loss(off_policy="sft"))),
 }
 BASELINE, CANDIDATE = "plain", "defaults"
 
@@ -140,6 +151,7 @@ def run_bench(cycles: int = 3, only: list[str] | None = None, log=print) -> dict
     results = []
     for name in names:
         results.append(run_config(name, root, cycles, base, log))
+        (root / "results.json").write_text(json.dumps(results, indent=2))  # what is done so far, if interrupted
         if base is None:  # every later configuration starts from the same bootstrapped base policy
             base = root / name.replace("+", "plus-") / "models" / "base"
     by_name = {r["name"]: r for r in results}

@@ -259,7 +259,7 @@ def test_reference_rows_are_clipped_like_policy_rows_but_carry_no_tis_weight():
     logp, old = _batch(CLIP_RATIOS)
     behaviour = torch.zeros(2, 3)  # far above logp_old: a TIS weight would be exp(-1) per token
     off = torch.tensor([True, False])
-    loss, stats = grpo_loss(logp, old, behaviour, CLIP_ADV, ONES, LossConfig(tis_cap=2.0), off_policy=off)
+    loss, stats = grpo_loss(logp, old, behaviour, CLIP_ADV, ONES, LossConfig(tis_cap=2.0, sft_coef=0.0), off_policy=off)
     loss.backward()
     w = math.exp(C)  # the policy row's TIS weight min(exp(logp_old - 0), 2)
     # seq0 (reference, A=+1): clip-high cuts token 0; tokens 1, 2 keep r * A -> d l / d logp = -r / 6
@@ -271,7 +271,7 @@ def test_reference_rows_are_clipped_like_policy_rows_but_carry_no_tis_weight():
 def test_reference_rows_with_luffy_shaping():
     logp, old = _batch(CLIP_RATIOS)
     off = torch.tensor([True, False])
-    cfg = LossConfig(tis_cap=None, off_policy="shaped", shaping_gamma=0.1)
+    cfg = LossConfig(tis_cap=None, off_policy="shaped", shaping_gamma=0.1, sft_coef=0.0)
     loss, _ = grpo_loss(logp, old, old, CLIP_ADV, ONES, cfg, off_policy=off)
     loss.backward()
     # seq0: surr = A * p / (p + g), p = exp(logp); d surr / d logp = A * g * p / (p + g)^2, unclipped
@@ -289,7 +289,7 @@ def test_reference_rows_as_a_supervised_term():
     _close(logp.grad[0], [-0.5 / 6] * 3)
     _close(loss, (-0.5 * logp[0].sum().item() + (0.8 + 1.5 + 1.0)) / 6)
     with pytest.raises(ValidationError, match="sft_coef > 0"):
-        LossConfig(off_policy="sft")
+        LossConfig(off_policy="sft", sft_coef=0.0)
     # 'clip' with sft_coef: the clipped group term plus the unclipped supervised push
     logp, old = _batch(CLIP_RATIOS)
     loss, _ = grpo_loss(logp, old, old, CLIP_ADV, ONES, LossConfig(tis_cap=None, sft_coef=0.5), off_policy=off)

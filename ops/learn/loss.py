@@ -116,8 +116,9 @@ class LossConfig(BaseModel):
     sft_coef: Annotated[
         float,
         Field(ge=0, description="Weight of a supervised term sft_coef * NLL on reference rows, added to what off_policy "
-              "does with them (an unclipped push on solution tokens the policy finds unlikely); 'sft' needs it > 0"),
-    ] = 0.0
+              "does with them (an unclipped push on solution tokens the policy finds unlikely, which the clip would "
+              "stop after one update); 'sft' needs it > 0. Default 1.0, chosen with `perpetua bench learning`"),
+    ] = 1.0
 
     @model_validator(mode="after")
     def _check(self) -> "LossConfig":
