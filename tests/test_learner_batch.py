@@ -182,3 +182,47 @@ def test_rewards_tables_of_version_1_still_read(tmp_path):
     ro, rw = read_batch_tables([tmp_path / "r.parquet"], [tmp_path / "w.parquet"])
     assert rw.schema.metadata[b"perpetua.version"] == b"2" and rw.column("infra_failure").to_pylist() == [False] * 4
     assert build_training_batch(ro, rw).stats.rollouts == 4
+
+
+def test_rollouts_tables_of_version_1_read_as_policy_samples(tmp_path):
+    import pyarrow.parquet as pq
+
+    rollouts, rewards = synthetic_tables(groups=2, group_size=2, seed=15)
+    v1 = rollouts.drop_columns(["source", "sampling_round"])
+    v1 = v1.replace_schema_metadata({"perpetua.table": "rollouts", "perpetua.version": "1"})
+    pq.write_table(v1, tmp_path / "r.parquet")
+    write_table(rewards, REWARDS, tmp_path / "w.parquet")
+    ro, rw = read_batch_tables([tmp_path / "r.parquet"], [tmp_path / "w.parquet"])
+    assert ro.column("source").to_pylist() == ["policy"] * 4 and ro.column("sampling_round").to_pylist() == [0] * 4
+    assert not any(s.off_policy for s in build_training_batch(ro, rw).samples)
+
+
+def _guided(all_equal_groups: int = 1):
+    """Group 0 all-fail plus a reference row (reward 1) in it; the other groups mixed."""
+    rollouts, rewards = synthetic_tables(groups=3, group_size=4, all_equal_groups=all_equal_groups, seed=16)
+    ro, rw = rollouts.to_pylist(), rewards.to_pylist()
+    ref = dict(ro[0], sample_index=4, source="reference", behaviour_logprobs=[0.0] * len(ro[0]["completion_ids"]))
+    ro.append(ref)
+    rw.append(dict(rw[0], sample_index=4, reward=1.0, outcome="pass"))
+    return pa.Table.from_pylist(ro, schema=rollouts.schema), pa.Table.from_pylist(rw, schema=rewards.schema)
+
+
+def test_reference_rows_join_their_group_or_stand_apart():
+    rollouts, rewards = _guided()
+    inside = build_training_batch(rollouts, rewards)
+    g0 = [s for s in inside.samples if s.group_id == rollouts.column("group_id")[0].as_py()]
+    assert len(g0) == 5 and inside.stats.groups_filtered_all_equal == 0  # the reference made the group informative
+    (ref,) = [s for s in g0 if s.off_policy]
+    assert ref.advantage > 0 and all(s.advantage < 0 for s in g0 if not s.off_policy)
+    apart = build_training_batch(rollouts, rewards, reference_in_group=False)
+    g0 = [s for s in apart.samples if s.group_id == rollouts.column("group_id")[0].as_py()]
+    assert [(s.off_policy, s.advantage) for s in g0] == [(True, 0.0)]  # the all-fail policy group is filtered
+    assert apart.stats.reference_samples == 1
+
+
+def test_greedy_or_nucleus_rollouts_are_refused():
+    rollouts, rewards = synthetic_tables(groups=2, group_size=2, seed=17)
+    with pytest.raises(BatchError, match="temperature 0:"):
+        build_training_batch(_replace(rollouts, 0, temperature=0.0), rewards)
+    with pytest.raises(BatchError, match="top_p 0.9"):
+        build_training_batch(_replace(rollouts, 1, top_p=0.9), rewards)

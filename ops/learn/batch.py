@@ -289,9 +289,9 @@ def _validate_rollout(key, r: dict, rw: dict, vocab_size, max_length, problems: 
                         f"max_position_embeddings {max_length}")
     temperature, top_p = r.get("temperature"), r.get("top_p")
     if temperature is not None and not temperature > 0:
-        problems.append(f"{where}: sampled at temperature {temperature}: greedy decoding is not a distribution to train on")
+        problems.append(f"{where}: sampled at temperature {temperature:g}: greedy decoding is not a distribution to train on")
     if top_p is not None and top_p < 1 and not _is_reference(r):
-        problems.append(f"{where}: sampled with top_p {top_p}: the learner scores the full distribution, so training "
+        problems.append(f"{where}: sampled with top_p {top_p:g}: the learner scores the full distribution, so training "
                         "rollouts must be sampled with top_p 1")
     if rw["reward"] is None or not math.isfinite(rw["reward"]):
         problems.append(f"{where}: reward {rw['reward']} is not finite")
