@@ -1,5 +1,5 @@
 """One held-out rule for every stage: no task of any eval set is in any training set the code can
-build (the SFT corpus, the RL training tasks with both kinds of replay, the rollout sample)."""
+build (the SFT corpus, the RL training tasks with both kinds of replay, the rollouts' task pool)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from ops.harvest.failures import read_failures
 from ops.harvest.harvester import HarvestConfig, harvest
 from ops.common.paths import home
 from ops.policy.sft import SFTConfig, sft_corpus
-from ops.tasks.sampling import sample_train_tasks
+from ops.tasks.sampling import train_tasks
 from ops.tasks.split import is_held_out
 from ops.tasks.task_world import FAMILIES, generate_tasks
 from ops.tasks.training_tasks import TrainingTaskConfig, build_and_write_training_tasks
@@ -31,11 +31,11 @@ def test_no_eval_task_is_in_any_training_set(perpetua_home):
     second, _ = build_and_write_training_tasks(read_failures(), TrainingTaskConfig(min_replay=200))
     rl = {r["task_id"]: r["source"] for s in (first, second) for r in s.table.to_pylist() if r["split"] == "train"}
     assert {"failure", "replay_previous", "replay_bootstrap"} <= set(rl.values())
-    rollout_sample = {t.task_id for cycle in (1, 2, 3) for t in sample_train_tasks(96, cycle)}  # what rollouts draw
+    rollout_pool = {t.task_id for t in train_tasks()}  # every task the rollouts stage may choose
     training = {
         "sft_corpus": {t.task_id for t in sft_corpus(SFTConfig(tasks_per_family=3000))},
         "rl_tasks": set(rl),
-        "rollouts": set(rollout_sample),
+        "rollouts": rollout_pool,
     }
     heldout_failures = [t for s in (first, second) for t in s.tasks("heldout")]
     sets = eval_sets(EvalConfig(), {f: 10 for f in FAMILIES}, heldout_failures).sets

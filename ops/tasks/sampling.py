@@ -1,14 +1,10 @@
-"""Which training tasks a cycle's rollouts attempt.
+"""The pool a cycle's rollouts choose from: the train split of the current task set.
 
-Why sampled, and why seeded by the cycle: the train split can be larger than one cycle's
-budget, so a cycle attempts `max_tasks` of its tasks. The sample is seeded by the cycle number,
-so a retried cycle attempts the same tasks (and writes the same rollouts), while successive
-cycles see different subsets. Held-out tasks are never sampled.
+Held-out tasks are never in it. Which of its tasks a cycle attempts, and in what rounds, is the
+rollout stage's choice (ops/rollout/curriculum.py, ops/rollout/dynamic.py).
 """
 
 from __future__ import annotations
-
-import random
 
 from ops.common.paths import Home
 from ops.tasks.task_world import Task
@@ -29,10 +25,3 @@ def train_tasks(home: Home | None = None) -> list[Task]:
         raise NoTrainingTasks(f"{path} has no train-split tasks")
     return [Task.from_dict(r) for r in sorted(rows, key=lambda r: r["task_id"])]
 
-
-def sample_train_tasks(max_tasks: int, cycle: int, home: Home | None = None) -> list[Task]:
-    """Up to `max_tasks` train-split tasks of the current task set, a uniform sample, the same for
-    the same cycle, ordered by task id."""
-    pool = train_tasks(home)
-    rng = random.Random(f"rollout-tasks:{cycle}")
-    return sorted(rng.sample(pool, min(max_tasks, len(pool))), key=lambda t: t.task_id)
