@@ -1,6 +1,8 @@
 """`rollouts`: the current policy attempts the cycle's training tasks, G times each, on vLLM, in
 rounds until the batch can teach (ops/rollout/dynamic.py)."""
 
+from collections import Counter
+
 import dagster as dg
 from pydantic import Field
 
@@ -91,9 +93,6 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_
                             "was sampled")
     table = write_table(rollouts_table(batch.rows), ROLLOUTS, rollouts_path(data, cycle))
     policy_rows = [r for r in batch.rows if r["source"] == "policy"]
-    finish = {}
-    for r in policy_rows:
-        finish[r["finish_reason"]] = finish.get(r["finish_reason"], 0) + 1
     return dg.MaterializeResult(
         metadata={
             "cycle": cycle,
@@ -111,7 +110,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_
             "completion_tokens": batch.completion_tokens,
             "tokens_per_second": dg.MetadataValue.float(batch.completion_tokens / max(batch.seconds, 1e-9)),
             "generation_seconds": dg.MetadataValue.float(batch.seconds),
-            "finish_reasons": dg.MetadataValue.json(finish),
+            "finish_reasons": dg.MetadataValue.json(dict(Counter(r["finish_reason"] for r in policy_rows))),
             "episodes_with_answer": sum(1 for r in policy_rows if r["final_answer"] is not None),
             "sampling": dg.MetadataValue.json(sampling.model_dump()),
             "dynamic_sampling": dg.MetadataValue.json(dynamic.model_dump()),

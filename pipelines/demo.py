@@ -192,6 +192,12 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
     production = resources["production_server"]
     started_servers = [p for p in (production.port, resources["trainer_server"].port) if vllm_server.status(p) is None]
     rows, failure_rates, overall_rates, automation_state = [], [], [], {}
+
+    def record_traffic(cycle: int, traffic: dict) -> None:
+        """One stretch of traffic's failure rates, per family and overall, under the cycle it precedes."""
+        failure_rates.extend({"cycle": cycle, "family": fam, "rate": rate} for fam, rate in traffic["failure_rate"].items())
+        overall_rates.append({"cycle": cycle, "rate": traffic["overall_failure_rate"], "requests": traffic["requests"]})
+
     try:
         log("bootstrap: base policy (cached when unchanged)")
         boot = defs.resolve_job_def("bootstrap").execute_in_process(instance=instance, run_config=job_run_config(settings, "bootstrap"))
@@ -210,8 +216,7 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
             lo, hi = (cycle - 1) / total, cycle / total  # production time advances and drifts
             champion = registry.champion_version(uri, policies.REGISTERED_MODEL)
             traffic = production_traffic(production, champion, settings.traffic_per_cycle, lo, hi, seed=cycle)
-            failure_rates += [{"cycle": cycle, "family": fam, "rate": rate} for fam, rate in traffic["failure_rate"].items()]
-            overall_rates.append({"cycle": cycle, "rate": traffic["overall_failure_rate"], "requests": traffic["requests"]})
+            record_traffic(cycle, traffic)
             log(f"cycle {cycle}: {traffic['requests']} production requests (drift t {lo:.2f}-{hi:.2f}), "
                 f"failure rate {traffic['overall_failure_rate']:.2f}")
             # The MLflow parent run is closed by its outcome, or KILLED if Ctrl-C lands outside the run.
@@ -228,8 +233,7 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
         champion = registry.champion_version(uri, policies.REGISTERED_MODEL)
         final = production_traffic(production, champion, settings.traffic_per_cycle, 1.0, 1.0, seed=10_000 + total)
         log(f"after cycle {total}: production failure rate {final['overall_failure_rate']:.2f}")
-        failure_rates += [{"cycle": total + 1, "family": fam, "rate": rate} for fam, rate in final["failure_rate"].items()]
-        overall_rates.append({"cycle": total + 1, "rate": final["overall_failure_rate"], "requests": final["requests"]})
+        record_traffic(total + 1, final)
         print_failure_rates(failure_rates, task_world.DRIFT_FAMILIES + task_world.BOOTSTRAP_FAMILIES)
         if settings.automation:
             automation_state = hand_over_to_daemon(h, log)

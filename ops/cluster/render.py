@@ -76,6 +76,17 @@ def _shm_volume(size: str = "16Gi") -> dict:
     return {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": size}}
 
 
+def _gpu_resources(cpu: str, memory: str, gpus: int) -> dict:
+    """A GPU container's requests and limits (memory and GPUs limited, CPU only requested)."""
+    return {"requests": {"cpu": cpu, "memory": memory, "nvidia.com/gpu": gpus},
+            "limits": {"memory": memory, "nvidia.com/gpu": gpus}}
+
+
+def _gpu_mounts(cfg: ClusterConfig) -> list[dict]:
+    """PERPETUA_HOME and the shared-memory volume (NCCL and vLLM workers exchange tensors there)."""
+    return [_home_mount(cfg), {"name": "dshm", "mountPath": "/dev/shm"}]
+
+
 def _secret_env(name: str, secret: str, key: str) -> dict:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
 
@@ -145,9 +156,8 @@ def vllm_server(cfg: ClusterConfig, role: str, name: str) -> list[dict]:
                            "periodSeconds": 10, "failureThreshold": 6},
         "startupProbe": {"httpGet": {"path": "/health", "port": VLLM_PORT}, "periodSeconds": 10,
                          "failureThreshold": 180},  # loading a large MoE takes minutes
-        "resources": {"requests": {"cpu": server.cpu, "memory": server.memory, "nvidia.com/gpu": gpus},
-                      "limits": {"memory": server.memory, "nvidia.com/gpu": gpus}},
-        "volumeMounts": [_home_mount(cfg), {"name": "dshm", "mountPath": "/dev/shm"}],
+        "resources": _gpu_resources(server.cpu, server.memory, gpus),
+        "volumeMounts": _gpu_mounts(cfg),
     }
     deployment = {
         "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(cfg, name, labels),
@@ -243,9 +253,8 @@ def learner_job(cfg: ClusterConfig) -> list[dict]:
             {"name": "OMP_NUM_THREADS", "value": "1"},
         ],
         "ports": [{"name": "rdzv", "containerPort": learner.rdzv_port}],
-        "resources": {"requests": {"cpu": learner.cpu, "memory": learner.memory, "nvidia.com/gpu": gpus},
-                      "limits": {"memory": learner.memory, "nvidia.com/gpu": gpus}},
-        "volumeMounts": [_home_mount(cfg), {"name": "dshm", "mountPath": "/dev/shm"}],
+        "resources": _gpu_resources(learner.cpu, learner.memory, gpus),
+        "volumeMounts": _gpu_mounts(cfg),
     }
     job = {
         "apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(cfg, name, labels),

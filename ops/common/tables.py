@@ -97,6 +97,11 @@ def _rollouts_v1_to_v2(table: pa.Table) -> pa.Table:
 _UPGRADES = {(b"rewards", b"1"): _rewards_v1_to_v2, (b"rollouts", b"1"): _rollouts_v1_to_v2}
 
 
+def rollout_source(row) -> str:
+    """A ROLLOUTS row's `source`; a null one (a row written without it) is `policy`."""
+    return row.get("source") or "policy"
+
+
 class SchemaMismatch(ValueError):
     pass
 

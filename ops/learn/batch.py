@@ -29,7 +29,7 @@ import torch
 from ops.learn.advantages import AdvantageConfig, GroupAdvantages, group_advantages
 from ops.policy.sequences import Sequence
 from ops.learn.errors import LearnerError
-from ops.common.tables import REWARDS, ROLLOUTS, SchemaMismatch, read_table, table_hash
+from ops.common.tables import REWARDS, ROLLOUTS, SchemaMismatch, read_table, rollout_source, table_hash
 
 _ROLLOUT_COLUMNS = ["group_id", "sample_index", "policy_version", "prompt_ids", "completion_ids",
                     "behaviour_logprobs", "loss_mask"]
@@ -171,14 +171,14 @@ def build_training_batch(
     keys = sorted(by_key)
     _validate(keys, by_key, reward_of, vocab_size, max_length)
     reward = torch.tensor([float(reward_of[k]["reward"]) for k in keys], dtype=torch.float64)
-    reference = [_is_reference(by_key[k]) for k in keys]
-    # Outside the groups, a reference row is a group of its own: never all-equal-filtered as a group of one.
-    group_ids = [("reference", *k) if ref and not reference_in_group else k[0] for k, ref in zip(keys, reference)]
+    reference = [_is_reference_row(by_key[k]) for k in keys]
+    apart = [ref and not reference_in_group for ref in reference]
+    # A reference row kept apart is a group of its own (all-equal, so filtered there) and is kept
+    # below regardless, with advantage 0.
+    group_ids = [("reference", *k) if a else k[0] for k, a in zip(keys, apart)]
     adv = group_advantages(reward, group_ids, cfg)
-    samples = [_sample(key, by_key[key], 0.0 if ref and not reference_in_group else float(adv.advantages[i]),
-                       float(reward[i]), ref)
-               for i, (key, ref) in enumerate(zip(keys, reference))
-               if bool(adv.keep[i]) or (ref and not reference_in_group)]
+    samples = [_sample(key, by_key[key], 0.0 if a else float(adv.advantages[i]), float(reward[i]), ref)
+               for i, (key, ref, a) in enumerate(zip(keys, reference, apart)) if a or bool(adv.keep[i])]
     stats = _batch_stats(keys, reward_of, reward, adv, samples, len(infra))
     return TrainingBatch(samples, stats, batch_id(rollouts, rewards))
 
@@ -227,8 +227,8 @@ def _validate(keys, by_key: dict, reward_of: dict, vocab_size: int | None, max_l
         raise BatchError("invalid rollouts: " + "; ".join(problems))
 
 
-def _is_reference(r: dict) -> bool:
-    return (r.get("source") or "policy") == "reference"
+def _is_reference_row(r: dict) -> bool:
+    return rollout_source(r) == "reference"
 
 
 def _sample(key: tuple[str, int], r: dict, advantage: float, reward: float, off_policy: bool = False) -> TrainingSample:
@@ -290,7 +290,7 @@ def _validate_rollout(key, r: dict, rw: dict, vocab_size, max_length, problems: 
     temperature, top_p = r.get("temperature"), r.get("top_p")
     if temperature is not None and not temperature > 0:
         problems.append(f"{where}: sampled at temperature {temperature:g}: greedy decoding is not a distribution to train on")
-    if top_p is not None and top_p < 1 and not _is_reference(r):
+    if top_p is not None and top_p < 1 and not _is_reference_row(r):
         problems.append(f"{where}: sampled with top_p {top_p:g}: the learner scores the full distribution, so training "
                         "rollouts must be sampled with top_p 1")
     if rw["reward"] is None or not math.isfinite(rw["reward"]):

@@ -39,20 +39,22 @@ class MicroBatch:
                           move(self.off_policy), move(self.temperature))
 
 
-def off_policy_rows(samples: list[TrainingSample], rows: int | None = None) -> Tensor | None:
-    """[rows] bool, True on reference rows (padding rows False); None when there is none."""
-    flags = [s.off_policy for s in samples]
-    if not any(flags):
+def _per_row(values: list, neutral, dtype, rows: int | None) -> Tensor | None:
+    """[rows] tensor of one value per sample, padding rows `neutral`; None when every value is
+    neutral (the loss then skips that treatment altogether)."""
+    if all(v == neutral for v in values):
         return None
-    return torch.tensor(flags + [False] * max(0, (rows or 0) - len(flags)), dtype=torch.bool)
+    return torch.tensor(values + [neutral] * max(0, (rows or 0) - len(values)), dtype=dtype)
+
+
+def off_policy_rows(samples: list[TrainingSample], rows: int | None = None) -> Tensor | None:
+    """[rows] bool, True on reference rows; None when there is none."""
+    return _per_row([s.off_policy for s in samples], False, torch.bool, rows)
 
 
 def row_temperatures(samples: list[TrainingSample], rows: int | None = None) -> Tensor | None:
-    """[rows] sampling temperatures (padding rows 1); None when every sample was sampled at 1."""
-    temps = [s.temperature for s in samples]
-    if all(t == 1.0 for t in temps):
-        return None
-    return torch.tensor(temps + [1.0] * max(0, (rows or 0) - len(temps)), dtype=torch.float32)
+    """[rows] sampling temperatures; None when every sample was sampled at 1."""
+    return _per_row([s.temperature for s in samples], 1.0, torch.float32, rows)
 
 
 def collate_rows(samples: list[TrainingSample], pad_id: int, rows: int | None = None, length: int | None = None):

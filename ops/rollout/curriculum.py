@@ -31,7 +31,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field
 
-from ops.common.tables import REWARDS, ROLLOUTS, read_table
+from ops.common.tables import REWARDS, ROLLOUTS, read_table, rollout_source
 from ops.reward.scoring import rewards_path, rollouts_path, stored_cycles
 from ops.tasks.task_world import Task
 
@@ -102,7 +102,7 @@ def read_history(data_dir: Path, before_cycle: int, cycles: int) -> History:
         groups: dict[str, tuple[str, list[float]]] = {}
         for row in rollouts:
             reward = rewards.get((row["group_id"], row["sample_index"]))
-            if (row["source"] or "policy") != "policy" or reward is None or reward["infra_failure"]:
+            if rollout_source(row) != "policy" or reward is None or reward["infra_failure"]:
                 continue
             groups.setdefault(row["task_id"], (row["family"], []))[1].append(float(reward["reward"]))
         for task_id, (family, values) in groups.items():
