@@ -7,6 +7,9 @@
 - `learner_step`: one `ops.learn.step.Learner` step on the tiny preset with a random verified
   batch: bf16, megatron's optimizer, NCCL and Transformer Engine where installed on CUDA; fp32,
   torch AdamW over `main_grad` and gloo on CPU;
+- `learner_job`: the learner process itself (`ops.learn.main` under `torchrun`, as a cycle runs
+  it), twice: step 1 from an HF policy, step 2 resumed from step 1's checkpoint (model, optimizer,
+  RNG, counters); both export the next policy in HF format;
 - `distributed_optimizer`: one update through megatron's distributed optimizer (DDP with
   `use_distributed_optimizer`), CUDA only;
 - `parity`: per-token log-probs of the stepped weights in megatron-core and transformers on the
@@ -162,6 +165,47 @@ def learner_step(cuda: bool, seed: int = 0) -> tuple[dict, object]:
     }, learner
 
 
+def learner_job(cuda: bool, seed: int = 0) -> dict:
+    """`ops.learn.main` under torchrun, two steps in a scratch folder: v0 (HF) -> v1 -> v2."""
+    from ops.bench.learner import _random_tables
+    from ops.common.tables import REWARDS, ROLLOUTS, write_table
+    from ops.learn.config import LearnerConfig, LearnerJob
+    from ops.policy import hf_convert
+    from ops.policy.model import PRESETS, build_model
+
+    policy = PRESETS["tiny"]
+    precision = "bf16" if cuda else "fp32"
+    steps = []
+    with tempfile.TemporaryDirectory(prefix="perpetua-gpu-check-") as tmp:
+        root = Path(tmp)
+        init = hf_convert.export_hf(policy, build_model(policy, precision, seed=seed).state_dict(), root / "base" / "hf")
+        for step in (1, 2):
+            rollouts, rewards = _random_tables(4, 4, policy.vocab_size, seed + step)
+            write_table(rollouts, ROLLOUTS, root / f"rollouts-{step}.parquet")
+            write_table(rewards, REWARDS, root / f"rewards-{step}.parquet")
+            job = LearnerJob(learner=LearnerConfig(lr=1e-4, precision=precision, seed=seed),
+                             rollouts=[root / f"rollouts-{step}.parquet"], rewards=[root / f"rewards-{step}.parquet"],
+                             init_hf_dir=init, checkpoint_dir=root / "learner", export_root=root / "policy",
+                             result_path=root / f"result-{step}.json")
+            (root / f"job-{step}.json").write_text(job.model_dump_json())
+            env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES")}
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent.parent),
+                                                            env.get("PYTHONPATH", "")) if p)
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                                   "-m", "ops.learn.main", "--config", str(root / f"job-{step}.json")],
+                                  env=env, capture_output=True, text=True, timeout=300)
+            if proc.returncode != 0:
+                tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-8:]
+                return {"ok": False, "error": f"step {step}: exit {proc.returncode}", "stderr_tail": tail, "steps": steps}
+            result = json.loads((root / f"result-{step}.json").read_text())
+            steps.append({"version_in": result.get("parent_policy_version"), "version_out": result.get("policy_version"),
+                          "exported": (root / "policy" / f"v{step:04d}" / "hf" / "config.json").exists(),
+                          "seconds": round(time.perf_counter() - t0, 2)})
+    ok = [(s["version_in"], s["version_out"], s["exported"]) for s in steps] == [(0, 1, True), (1, 2, True)]
+    return {"ok": ok, "precision": precision, "launcher": "torchrun --standalone --nproc_per_node 1", "steps": steps}
+
+
 def _spec_name(gpt) -> str:
     names = {type(m).__module__.split(".")[0] for m in gpt.modules()}
     return "transformer_engine" if "transformer_engine" in names else "local"
@@ -282,6 +326,7 @@ def run_check() -> dict:
         return out
 
     report["learner_step"] = _part(_step)
+    report["learner_job"] = _part(learner_job, cuda)
     report["distributed_optimizer"] = (_part(distributed_optimizer_step) if cuda
                                        else {"ok": True, "skipped": "needs CUDA (megatron's optimizer is CUDA-only)"})
     report["parity"] = (_part(parity, learner_box[0], cuda) if learner_box
@@ -290,7 +335,7 @@ def run_check() -> dict:
     report["vllm"] = {"tested": False, "reason": VLLM_NOT_TESTED}
     loaded = forbidden_loaded()
     report["import_chain"] = {"ok": not loaded, "forbidden": list(FORBIDDEN), "blocked": True, "loaded": loaded}
-    parts = ("import_chain", "learner_step", "distributed_optimizer", "parity", "bench")
+    parts = ("import_chain", "learner_step", "learner_job", "distributed_optimizer", "parity", "bench")
     report["ok"] = all(report[p].get("ok") for p in parts)
     report["seconds"] = round(time.perf_counter() - t0, 2)
     return report

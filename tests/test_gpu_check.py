@@ -16,13 +16,16 @@ def test_gpu_check_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     for key in ("cuda", "device", "python", "torch", "megatron_core", "transformer_engine", "installed_from_wheels",
-                "import_chain", "learner_step", "distributed_optimizer", "parity", "bench", "vllm", "ok", "seconds"):
+                "import_chain", "learner_step", "learner_job", "distributed_optimizer", "parity", "bench", "vllm", "ok", "seconds"):
         assert key in report, key
     assert report["cuda"] is False and report["ok"] is True
     assert report["import_chain"] == {"ok": True, "forbidden": ["dagster", "dagster_pipes", "mlflow", "vllm"],
                                       "blocked": True, "loaded": []}
     step = report["learner_step"]
     assert step["ok"] and step["precision"] == "fp32" and step["tensors_changed"] > 0
+    job = report["learner_job"]  # the learner process under torchrun: a step, then a resumed step
+    assert job["ok"] and [(s["version_in"], s["version_out"], s["exported"]) for s in job["steps"]] == [
+        (0, 1, True), (1, 2, True)]
     parity = report["parity"]
     assert parity["ok"] and parity["dtype"] == "fp32"
     assert parity["max_abs_diff"] <= parity["tolerance"] == 1e-3

@@ -1,12 +1,14 @@
-"""Everything megatron-core needs to run without CUDA, in one place.
+"""Everything megatron-core needs to run without CUDA (or without Transformer Engine), in one place.
 
-megatron-core targets GPUs. Three adaptations let the same model code run on a CPU-only torch
-(docs/engines.md); each is applied only when CUDA is absent, so the CUDA path stays stock:
+megatron-core targets GPUs with Transformer Engine. Three adaptations let the same model code run
+on a CPU-only torch (docs/engines.md); 1 and 3 are applied only when CUDA is absent, so the CUDA
+path stays stock:
 
 1. `torch.cuda.current_device()` is called to place router weights, RoPE buffers and expert
    weights; on CPU torch it raises. It returns the CPU device instead.
 2. `moe_utils` refers to `te_general_gemm` without Transformer Engine (NameError in the router
-   gating linear of 0.16.1); it is defined as None so the plain matmul path is taken.
+   gating linear of 0.16.1, on CPU and on CUDA alike); it is defined as None so the plain matmul
+   path is taken. This one applies whenever Transformer Engine is not installed.
 3. The local spec's `DotProductAttention` needs the CUDA RNG tracker and memory buffers; the
    layer spec's `core_attention` is swapped for `SDPACoreAttention` (`cpu_layer_spec`).
 """
@@ -25,18 +27,17 @@ def cuda_available() -> bool:
 
 
 def apply() -> bool:
-    """Apply the CPU adaptations once; a no-op (returns False) when CUDA is available."""
+    """Apply the adaptations once; returns whether the CPU ones are active (False on CUDA)."""
     global _applied
-    if cuda_available():
-        return False
     if not _applied:
-        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
         from megatron.core.transformer.moe import moe_utils
 
-        if not hasattr(moe_utils, "te_general_gemm"):
+        if not hasattr(moe_utils, "te_general_gemm"):  # Transformer Engine absent (2)
             moe_utils.te_general_gemm = None
+        if not cuda_available():
+            torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
         _applied = True
-    return True
+    return not cuda_available()
 
 
 class SDPACoreAttention(MegatronModule):

@@ -134,7 +134,7 @@ def init_single_process(seed: int = 0) -> None:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
-    torch.manual_seed(seed)
+    seed_everything(seed)
 
 
 def init_distributed(expert_parallel: int = 1, seed: int = 0) -> None:
@@ -150,7 +150,17 @@ def init_distributed(expert_parallel: int = 1, seed: int = 0) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_parallel)
+    seed_everything(seed)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch, and on CUDA megatron's model-parallel RNG tracker too: megatron initialises
+    weights and dropout on the GPU under that tracker's named states, which must exist first."""
     torch.manual_seed(seed)
+    if megatron_cpu.cuda_available():
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def _free_port() -> int:
@@ -166,7 +176,7 @@ def build_model(cfg: PolicyConfig, precision: Precision = "fp32", expert_paralle
     from megatron.core.models.gpt import GPTModel
 
     megatron_cpu.apply()
-    torch.manual_seed(seed)
+    seed_everything(seed)
     model = GPTModel(
         config=transformer_config(cfg, precision, expert_parallel),
         transformer_layer_spec=layer_spec(cfg),
