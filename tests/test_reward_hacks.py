@@ -11,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from ops.reward.verifiers.swe import parse_channel
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import socket
 
-import pytest
-
 from ops.tasks import task_world
 
 from ops.harvest import contract as traces

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"cycle {out['cycle']}: {out['rollouts']} rollouts re-scored, mean reward {out['mean_reward']:.3f}, "
               f"{out['flagged']} flagged, {out['rejected']} rejected")
         print("outcomes: " + ", ".join(f"{k} {v}" for k, v in out["outcomes"].items()))
-        print(f"verifiers: " + ", ".join(f"{k} v{v}" for k, v in out["verifier_versions"].items()))
+        print("verifiers: " + ", ".join(f"{k} v{v}" for k, v in out["verifier_versions"].items()))
         print(f"{out['verifications_per_second']:.1f} verifications/s; written to {out['path']}")
     return 0
 
