@@ -59,15 +59,6 @@ def report_path(cycle: int):
     return reports.cycle_report_path(home().data, cycle)
 
 
-def champion_policy_version(uri: str) -> tuple[str | None, int]:
-    """(registry version, policy version) of the champion; the base policy when none is deployed."""
-    version = registry.champion_version(uri, policies.REGISTERED_MODEL)
-    if version is None:
-        return None, 0
-    tags = tracking.client(uri).get_model_version(policies.REGISTERED_MODEL, version).tags
-    return version, int(tags.get(tracking.TAG_POLICY_VERSION, 0))
-
-
 def harvested() -> tuple[Counter, list[Task]]:
     """The harvested failures' family counts (they weight the deciding set's families) and the
     held-out harvested tasks (the reported known-failures slice)."""
@@ -89,7 +80,7 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
     """Paired pass@1 on the deciding set, guard families against the champion and the base policy,
     the known-failures slice, the cycle's measured cost and its intelligence per dollar."""
     uri = mlflow.uri()
-    champion_registry_version, champion = champion_policy_version(uri)
+    champion_registry_version, champion = registry.champion_policy_version(uri, policies.REGISTERED_MODEL)
     cfg = config.eval_config()
     sets = eval_sets(cfg, *harvested())
     if context.run.job_name == NIGHTLY_EVAL_JOB:

@@ -1,4 +1,5 @@
-"""`policy_checkpoint`: one learner step (policy vK -> vK+1) on the cycle's verified batch.
+"""`policy_checkpoint`: one learner step on the cycle's verified batch: from the policy the cycle
+builds on (the deployed champion by default, `PolicyLineage`) to the next version number.
 
 The learner runs in its own process group, launched through Dagster Pipes as
 `python -m torch.distributed.run --standalone --nproc_per_node N -m ops.learn.main --config JOB`
@@ -22,10 +23,11 @@ from pydantic import Field
 from assets.cycle import cycle_of
 from assets.cycle_run import cycle_run_id
 from assets.metering import cost_metadata, metered
+from assets.resources import PolicyLineage
 
 from ops.common.paths import home
 
-ASSET_VERSION = "1"  # bump when the learner's algorithm or this asset's logic changes
+ASSET_VERSION = "2"  # bump when the learner's algorithm or this asset's logic changes
 CODE_VERSION = f"policy_checkpoint-{ASSET_VERSION}"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,6 +101,7 @@ def policy_checkpoint(
     context: dg.AssetExecutionContext,
     config: PolicyCheckpointConfig,
     pipes_subprocess_client: dg.PipesSubprocessClient,
+    lineage: PolicyLineage,
 ) -> dg.MaterializeResult:
     """The next policy version: a GRPO-family step of the megatron-core MoE policy on the cycle's
     rollouts and verified rewards (expert parallel under torchrun), checkpointed with optimizer
@@ -133,6 +136,7 @@ def policy_checkpoint(
         init_hf_dir=base / "hf",
         init_checkpoint=latest_complete(base / "checkpoint"),
         checkpoint_dir=h.models / "learner",
+        start_version=lineage.start_version(uri) if lineage.continue_from == "champion" else None,
         export_root=h.models / "policy",
         result_path=jobs / f"{context.run.run_id}.result.json",
         mlflow_tracking_uri=uri,

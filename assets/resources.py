@@ -8,6 +8,7 @@ clients: `trainer_server` generates rollouts and evals, `production_server` serv
 
 import os
 from pathlib import Path
+from typing import Literal
 
 import dagster as dg
 
@@ -76,6 +77,26 @@ class MlflowTracking(dg.ConfigurableResource):
         return tracking.tracking_uri(self.tracking_uri or None)
 
 
+class PolicyLineage(dg.ConfigurableResource):
+    """Which policy a cycle builds on; the rollouts and the learner ask the same rule.
+
+    `champion` (default): the deployed champion (the base policy until the first deploy) samples
+    the cycle's rollouts and the learner continues from its checkpoint, so a candidate the gate
+    blocked is set aside, not built on: every candidate is one step from what production serves.
+    `latest`: the newest exported policy, blocked or not (training runs on and the gate only
+    decides deployment)."""
+
+    continue_from: Literal["champion", "latest"] = "champion"
+
+    def start_version(self, mlflow_uri: str) -> int:
+        from ops.deploy import registry
+        from ops.policy import versions as policies
+
+        if self.continue_from == "latest":
+            return policies.latest_version()
+        return registry.champion_policy_version(mlflow_uri, policies.REGISTERED_MODEL)[1]
+
+
 def for_environment(env: str | None = None) -> dict:
     env = env or os.environ.get("PERPETUA_ENV", "local")
     if env == "local":
@@ -84,6 +105,7 @@ def for_environment(env: str | None = None) -> dict:
             "trainer_server": PolicyServer(port=int(os.environ.get("PERPETUA_TRAINER_PORT", 8001))),
             "production_server": PolicyServer(port=int(os.environ.get("PERPETUA_PRODUCTION_PORT", 8000))),
             "mlflow": MlflowTracking(),
+            "lineage": PolicyLineage(),
         }
     if env == "cluster":
         # Engines are remote servers (several behind the round-robin client); MLflow is a server.
@@ -93,5 +115,6 @@ def for_environment(env: str | None = None) -> dict:
             "trainer_server": PolicyServer(base_urls=urls("PERPETUA_TRAINER_URLS"), autostart=False),
             "production_server": PolicyServer(base_urls=urls("PERPETUA_PRODUCTION_URLS"), autostart=False),
             "mlflow": MlflowTracking(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", "")),
+            "lineage": PolicyLineage(),
         }
     raise ValueError(f"PERPETUA_ENV must be 'local' or 'cluster', got {env!r}")

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from assets.cycle import cycle_of
 from assets.metering import cost_metadata, metered
-from assets.resources import PolicyServer
+from assets.resources import MlflowTracking, PolicyLineage, PolicyServer
 from ops.common.paths import home
 from ops.common.tables import ROLLOUTS, table_hash, write_table
 from ops.policy import versions as policies
@@ -21,7 +21,7 @@ from ops.rollout.dynamic import DynamicSamplingConfig, sample_informative
 from ops.rollout.groups import SamplingConfig, rollouts_table
 from ops.tasks.sampling import NoTrainingTasks, train_tasks
 
-CODE_VERSION = "rollouts-2"
+CODE_VERSION = "rollouts-3"
 
 
 class RolloutsConfig(dg.Config):
@@ -53,8 +53,10 @@ def dynamic_config(config: RolloutsConfig) -> DynamicSamplingConfig:
     code_version=CODE_VERSION,
     deps=[dg.AssetKey("training_tasks"), dg.AssetKey("base_policy")],
 )
-def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_server: PolicyServer) -> dg.MaterializeResult:
-    """G episodes per chosen training task by the newest policy, on the long-lived vLLM engine (refit
+def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_server: PolicyServer,
+             mlflow: MlflowTracking, lineage: PolicyLineage) -> dg.MaterializeResult:
+    """G episodes per chosen training task by the policy the cycle builds on (the deployed champion
+    by default; `PolicyLineage`), on the long-lived vLLM engine (refit
     in place to that version; the engine refuses stale weights), screened by the verifiers and
     refilled until enough groups carry signal; never-solved tasks get their reference solution in
     the group. Token ids, behaviour log-probs and loss masks per episode; every episode is a row,
@@ -63,7 +65,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_
         raise dg.Failure(f"training rollouts need temperature > 0 and top_p 1 (got {config.temperature}, {config.top_p}): "
                          "the learner scores softmax(logits / temperature) over the whole vocabulary")
     cycle = cycle_of(context)
-    version = policies.latest_version()
+    version = lineage.start_version(mlflow.uri())
     model_dir = policies.hf_dir(version)
     data = home().data
     try:

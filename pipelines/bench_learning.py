@@ -74,6 +74,8 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                         _cycle_config(learner=_loss(off_policy="shaped"))),
     "guidance-sft-only": ("defaults with reference rows trained by the supervised term only",
                           _cycle_config(learner=_loss(off_policy="sft"))),
+    "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
+                        {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }
 BASELINE, CANDIDATE = "plain", "defaults"
 

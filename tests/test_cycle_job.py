@@ -21,7 +21,7 @@ from ops.tasks.task_world import generate_tasks
 from ops.harvest.contract import write_traces
 from ops.serving import vllm_server
 from pipelines.definitions import defs
-from assets.resources import MlflowTracking, PolicyServer
+from assets.resources import MlflowTracking, PolicyLineage, PolicyServer
 
 
 def _port() -> int:
@@ -45,7 +45,8 @@ def test_one_cycle_through_dagster(perpetua_home, base_policy_dir, monkeypatch):
     shutil.copytree(base_policy_dir.parent, home().models / "base")
     ports = (_port(), _port())
     resources = {"trainer_server": PolicyServer(port=ports[0]), "production_server": PolicyServer(port=ports[1]),
-                 "mlflow": MlflowTracking(tracking_uri=uri), "pipes_subprocess_client": dg.PipesSubprocessClient()}
+                 "mlflow": MlflowTracking(tracking_uri=uri), "pipes_subprocess_client": dg.PipesSubprocessClient(),
+                 "lineage": PolicyLineage()}
     try:
         champion = registry.register_candidate(uri, policies.hf_dir(0), policies.REGISTERED_MODEL,
                                                tags={"perpetua.policy_version": 0})

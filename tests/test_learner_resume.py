@@ -122,3 +122,49 @@ def test_bad_job_is_a_clear_error_without_traceback(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert "bad job file" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_step_continues_from_a_named_version_not_the_newest(tmp_path):
+    """After a blocked candidate the cycle builds on the champion: `start_version` restores that
+    version's checkpoint exactly (weights, optimizer, counters) and numbers the new version after
+    the newest; version 0 is the init policy; a version with no complete checkpoint is refused."""
+    import pytest
+
+    from learner_data import synthetic_tables
+    from ops.common.tables import REWARDS, ROLLOUTS, write_table
+    from ops.learn.errors import LearnerError
+    from ops.learn.job import run_job
+    from ops.learn.world import init_world
+    from ops.policy.checkpoint import meta
+
+    base = random_policy(tmp_path / "base", seed=7)
+    data = tmp_path / "data"
+    for cycle in (1, 2, 3):
+        ro, rw = synthetic_tables(4, 4, seed=20 + cycle, cycle=cycle)
+        write_table(ro, ROLLOUTS, data / f"rollouts-{cycle}.parquet")
+        write_table(rw, REWARDS, data / f"rewards-{cycle}.parquet")
+    init_world(1, 0)
+    quiet = lambda m: None  # noqa: E731
+    home = tmp_path / "home"
+    run_job(job_for(home, base, data, 1), quiet)
+    run_job(job_for(home, base, data, 2), quiet)  # v2: the candidate the gate blocked
+
+    from_v1 = run_job(job_for(home, base, data, 3).model_copy(update={"start_version": 1}), quiet)
+    assert (from_v1["policy_version"], from_v1["parent_policy_version"], from_v1["optimizer_updates"]) == (3, 1, 4)
+    # The same batch on a copy holding only step 1 gives the same weights and optimizer state.
+    only_v1 = tmp_path / "only_v1"
+    shutil.copytree(home / "learner" / "step-000001", only_v1 / "learner" / "step-000001")
+    plain = run_job(job_for(only_v1, base, data, 3), quiet)
+    assert (plain["policy_version"], plain["parent_policy_version"]) == (2, 1)
+    a, b = all_tensors(home / "learner" / "step-000003"), all_tensors(only_v1 / "learner" / "step-000002")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    from_base = run_job(job_for(home, base, data, 1).model_copy(update={"start_version": 0}), quiet)
+    assert (from_base["policy_version"], from_base["parent_policy_version"], from_base["reused"]) == (4, 0, False)
+    assert meta(home / "learner" / "step-000004")["optimizer_updates"] == 2
+
+    for version, message in ((9, "newest learner checkpoint holds v4"), (1, "no complete learner checkpoint")):
+        if version == 1:
+            shutil.rmtree(home / "learner" / "step-000001")
+        with pytest.raises(LearnerError, match=message):
+            run_job(job_for(home, base, data, 2).model_copy(update={"start_version": version}), quiet)

@@ -42,6 +42,7 @@ def write_cycle(home: Path, cycle: int) -> None:
 
 def test_policy_checkpoint_materializes_through_pipes(perpetua_home):
     from assets.policy_checkpoint import policy_checkpoint
+    from assets.resources import PolicyLineage
     from ops.common import tracking
     from ops.policy.checkpoint import latest_complete
 
@@ -51,12 +52,13 @@ def test_policy_checkpoint_materializes_through_pipes(perpetua_home):
     uri = tracking.sqlite_uri(perpetua_home / "mlflow" / "mlflow.db")
     assert uri.startswith("sqlite:////")
 
-    def materialize(cycle: int, **config):
+    def materialize(cycle: int, continue_from: str = "latest", **config):
         run_config = {"ops": {"policy_checkpoint": {"config": {
             "cycle": cycle, "micro_batch_size": 4, "updates_per_step": 2, "lr": 1e-3, "mlflow_tracking_uri": uri,
             **config}}}}
         result = dg.materialize([policy_checkpoint], instance=instance, run_config=run_config,
-                                resources={"pipes_subprocess_client": dg.PipesSubprocessClient()})
+                                resources={"pipes_subprocess_client": dg.PipesSubprocessClient(),
+                                           "lineage": PolicyLineage(continue_from=continue_from)})
         assert result.success
         (mat,) = result.asset_materializations_for_node("policy_checkpoint")
         return mat, result
@@ -103,12 +105,20 @@ def test_policy_checkpoint_materializes_through_pipes(perpetua_home):
         assert sorted(m.step for m in client.get_metric_history(md2["mlflow_run_id"], "loss")) == [3, 4]
         assert (perpetua_home / "models" / "policy" / "v0002" / "hf" / "config.json").exists()
 
+        # Building on the champion (the default): nothing is deployed in this store, so the base
+        # policy, v0, with fresh optimizer state; the new version is still numbered after the newest.
+        mat3, _ = materialize(1, continue_from="champion")
+        md3 = {k: v.value for k, v in mat3.metadata.items()}
+        assert (md3["policy_version"], md3["parent_policy_version"], md3["optimizer_updates"]) == (3, 0, 2)
+
 
 def test_missing_verified_batch_fails_clearly(perpetua_home):
     from assets.policy_checkpoint import policy_checkpoint
+    from assets.resources import PolicyLineage
 
     with dg.instance_for_test() as instance:
         with pytest.raises(dg.Failure, match="no rollouts at"):
             dg.materialize([policy_checkpoint], instance=instance,
                            run_config={"ops": {"policy_checkpoint": {"config": {"cycle": 5}}}},
-                           resources={"pipes_subprocess_client": dg.PipesSubprocessClient()})
+                           resources={"pipes_subprocess_client": dg.PipesSubprocessClient(),
+                                      "lineage": PolicyLineage()})

@@ -129,6 +129,7 @@ def test_register_from_logged_model_and_user_errors(uri, tmp_path):
         registry.promote(uri, NAME + "-lm", "42")
     with pytest.raises(RegistryError, match="no registered model"):
         registry.champion_version(uri, "no-such-model")
+    assert registry.champion_policy_version(uri, "no-such-model") == (None, 0)  # nothing deployed: the base policy
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(RegistryError, match="empty"):

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 from urllib.parse import unquote, urlparse
 
-from ops.common.tracking import TAG_MODEL_ID, client, ensure_experiment
+from ops.common.tracking import TAG_MODEL_ID, TAG_POLICY_VERSION, client, ensure_experiment
 
 CHAMPION = "champion"
 PREVIOUS = "previous-champion"
@@ -44,12 +44,16 @@ class AliasState:
     previous: str | None
 
 
-def aliases(tracking_uri: str, name: str) -> AliasState:
+def aliases(tracking_uri: str, name: str, missing_ok: bool = False) -> AliasState:
+    """The aliases of registered model `name`; with `missing_ok`, none when the model does not
+    exist yet (nothing was ever registered), instead of a RegistryError."""
     from mlflow.exceptions import MlflowException
 
     try:
         model = client(tracking_uri).get_registered_model(name)
     except MlflowException as e:
+        if missing_ok and e.error_code == "RESOURCE_DOES_NOT_EXIST":
+            return AliasState(champion=None, previous=None)
         raise RegistryError(f"no registered model {name!r} in {tracking_uri}: {e.message}") from None
     a = {k: str(v) for k, v in (model.aliases or {}).items()}  # MLflow returns versions as ints here
     return AliasState(champion=a.get(CHAMPION), previous=a.get(PREVIOUS))
@@ -58,6 +62,16 @@ def aliases(tracking_uri: str, name: str) -> AliasState:
 def champion_version(tracking_uri: str, name: str) -> str | None:
     """The version the `champion` alias points at, or None before the first deploy."""
     return aliases(tracking_uri, name).champion
+
+
+def champion_policy_version(tracking_uri: str, name: str) -> tuple[str | None, int]:
+    """(registry version, policy version) of the champion; (None, 0), the base policy, before the
+    first deploy (also when nothing was ever registered)."""
+    version = aliases(tracking_uri, name, missing_ok=True).champion
+    if version is None:
+        return None, 0
+    tags = client(tracking_uri).get_model_version(name, version).tags
+    return version, int(tags.get(TAG_POLICY_VERSION, 0))
 
 
 def _check_version(tracking_uri: str, name: str, version: str) -> None:

@@ -85,6 +85,12 @@ class LearnerJob(BaseModel):
         Field(description="A megatron DCP checkpoint (step dir) to initialise from instead of init_hf_dir's weights"),
     ] = None
     checkpoint_dir: Annotated[Path, Field(description="Learner checkpoints (step-N dirs), PERPETUA_HOME/models/learner")]
+    start_version: Annotated[
+        int | None,
+        Field(ge=0, description="Continue from this policy version (its learner checkpoint; version 0: the init "
+              "policy) instead of the newest checkpoint, e.g. the deployed champion after a blocked candidate. "
+              "The new version is numbered after the newest either way"),
+    ] = None
     export_root: Annotated[
         Path, Field(description="New policies go to export_root/vNNNN/hf (PERPETUA_HOME/models/policy)")
     ]

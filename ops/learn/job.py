@@ -1,11 +1,13 @@
-"""One run of the learner process is one learner step (policy version K -> K+1):
+"""One run of the learner process is one learner step (policy version K -> the next version):
 
 1. every rank reads the job and builds the same training batch (rollouts joined with rewards);
 2. the model starts from the newest COMPLETE learner checkpoint (`.partial` ones are never
-   read), or, on the first step, from the base policy (HF dir or DCP checkpoint);
+   read), or from the one of `start_version` when the job names it (the deployed champion, so
+   a blocked candidate is not built on), or, on the first step, from the base policy (HF dir or
+   DCP checkpoint); the new version is numbered after the newest either way (K_new = newest + 1);
 3. `updates_per_step` optimizer updates; metrics of each go to MLflow from rank 0;
-4. model + optimizer + RNG + counters are saved as checkpoint `step-{K+1}`, then rank 0 exports
-   the new policy in HF format to `export_root/v{K+1:04d}/hf` with `perpetua_policy_version`.
+4. model + optimizer + RNG + counters are saved as checkpoint `step-{K_new}`, then rank 0 exports
+   the new policy in HF format to `export_root/v{K_new:04d}/hf` with `perpetua_policy_version`.
 
 Re-running a step is safe: a process killed anywhere before the COMPLETE marker leaves the last
 complete checkpoint as it was, so the re-run starts from it and reproduces the same weights; if
@@ -67,12 +69,9 @@ class _Start:
     """Where the step starts from."""
 
     version_in: int
+    version_out: int  # the newest version so far + 1 (not version_in + 1 when restarting from an older one)
     source: str  # the checkpoint or HF dir the weights came from
     staleness: int  # versions between the batch's oldest sampler and version_in
-
-    @property
-    def version_out(self) -> int:
-        return self.version_in + 1
 
 
 def run_job(job: LearnerJob, log=print) -> dict:
@@ -129,24 +128,35 @@ def _reuse(job: LearnerJob, inputs: _Inputs, latest: Path) -> dict:
 
 
 def _restore(job: LearnerJob, inputs: _Inputs, latest: Path | None) -> tuple[Learner, _Start]:
-    """The learner with the weights (and optimizer, RNG, counters) the step starts from."""
+    """The learner with the weights (and optimizer, RNG, counters) the step starts from: the newest
+    checkpoint, or the one of `job.start_version` when given; the init policy when there is none."""
     if latest is not None:
         _check_architecture(latest, inputs.policy, job.init_hf_dir)
     learner = Learner(inputs.policy, job.learner, inputs.pad_id)
-    if latest is not None:
+    init_version = (int(checkpoint.meta(job.init_checkpoint).get("policy_version", 0)) if job.init_checkpoint
+                    else int(inputs.init_config.get("perpetua_policy_version", 0)))
+    newest = int(checkpoint.meta(latest)["policy_version"]) if latest is not None else init_version
+    start = job.start_version if job.start_version is not None else newest
+    if start > newest:
+        raise LearnerError(f"cannot continue from policy v{start}: the newest learner checkpoint holds v{newest}")
+    if latest is not None and start == newest:
         version_in, source = _resume(learner, latest)
+    elif start != init_version:
+        path = Path(job.checkpoint_dir) / f"step-{start:06d}"
+        if not checkpoint.is_complete(path):
+            raise LearnerError(f"cannot continue from policy v{start}: no complete learner checkpoint at {path}")
+        version_in, source = _resume(learner, path)
     elif job.init_checkpoint is not None:
         checkpoint.load(job.init_checkpoint, learner.state_dict(), with_rng=False)
         learner.optimizer.weights_loaded()
-        version_in = int(checkpoint.meta(job.init_checkpoint).get("policy_version", 0))
-        source = str(job.init_checkpoint)
+        version_in, source = init_version, str(job.init_checkpoint)
     else:
         _, sd = hf_convert.import_hf(job.init_hf_dir)
         learner.load_weights(sd)
-        version_in, source = int(inputs.init_config.get("perpetua_policy_version", 0)), str(job.init_hf_dir)
+        version_in, source = init_version, str(job.init_hf_dir)
     behaviour = inputs.batch.stats.behaviour_policy_versions
     staleness = version_in - min(behaviour) if behaviour else 0
-    return learner, _Start(version_in, source, staleness)
+    return learner, _Start(version_in, newest + 1, source, staleness)
 
 
 def _check_architecture(latest: Path, policy: PolicyConfig, init_hf_dir: Path) -> None:
@@ -156,18 +166,18 @@ def _check_architecture(latest: Path, policy: PolicyConfig, init_hf_dir: Path) -
                            "use a fresh checkpoint_dir for a new base policy")
 
 
-def _resume(learner: Learner, latest: Path) -> tuple[int, str]:
+def _resume(learner: Learner, path: Path) -> tuple[int, str]:
     """Model, optimizer and counters from a learner checkpoint; the RNG too when the world size
     is the one it was saved with (per-rank RNG states)."""
-    meta = checkpoint.meta(latest)
-    state = checkpoint.load(latest, learner.state_dict(), learner.optimizer_state(),
+    meta = checkpoint.meta(path)
+    state = checkpoint.load(path, learner.state_dict(), learner.optimizer_state(),
                             with_rng=meta.get("world_size") == world.world_size())
     learner.optimizer.weights_loaded()
     if "rng" in state:
         torch.set_rng_state(state["rng"][f"rank{world.rank()}"])
     learner.optimizer_updates = int(meta["optimizer_updates"])
     learner.entropy_coef = float(meta.get("entropy_coef", learner.entropy_coef))
-    return int(meta["policy_version"]), str(latest)
+    return int(meta["policy_version"]), str(path)
 
 
 def _log_start(log, job: LearnerJob, batch: TrainingBatch, start: _Start) -> None:

@@ -161,9 +161,13 @@ def latest_complete(directory: Path) -> Path | None:
     directory = Path(directory)
     if not directory.exists():
         return None
-    done = sorted(p for p in directory.glob("step-[0-9]*") if p.is_dir() and (p / COMPLETE).exists()
-                  and not p.name.endswith(".partial"))
+    done = sorted(p for p in directory.glob("step-[0-9]*") if is_complete(p) and not p.name.endswith(".partial"))
     return done[-1] if done else None
+
+
+def is_complete(path: Path) -> bool:
+    """A checkpoint directory whose COMPLETE marker was written (its tensors are all on disk)."""
+    return Path(path).is_dir() and (Path(path) / COMPLETE).exists()
 
 
 def meta(path: Path) -> dict:
