@@ -34,6 +34,8 @@ class RolloutsConfig(dg.Config):
     guide_after: int = Field(default=1, description="Write the reference solution into the group of a task that "
                              "failed every sample this many groups in a row (0 = no guidance).")
     curriculum: bool = Field(default=True, description="Weight tasks by estimated pass rate (False = uniform).")
+    replay_weight: float = Field(default=0.05, gt=0, le=1, description="Curriculum weight floor: how often a solved "
+                                 "task is replayed next to an uncertain one (weight up to 1).")
     temperature: float = Field(default=1.0, description="Sampling temperature (> 0; the learner tempers its logits the same).")
     top_p: float = Field(default=1.0, description="Must stay 1: the learner does not renormalize a nucleus.")
     max_tokens: int = 64
@@ -44,7 +46,7 @@ def dynamic_config(config: RolloutsConfig) -> DynamicSamplingConfig:
     return DynamicSamplingConfig(
         max_tasks=config.max_tasks, min_informative_groups=config.min_informative_groups,
         max_rounds=config.max_rounds, max_groups=config.max_groups, guide_after=config.guide_after,
-        curriculum=CurriculumConfig(enabled=config.curriculum))
+        curriculum=CurriculumConfig(enabled=config.curriculum, min_weight=config.replay_weight))
 
 
 @dg.asset(

@@ -74,6 +74,8 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                         _cycle_config(learner=_loss(off_policy="shaped"))),
     "guidance-sft-only": ("defaults with reference rows trained by the supervised term only",
                           _cycle_config(learner=_loss(off_policy="sft"))),
+    "anchor-replay": ("defaults + solved tasks replayed at weight 0.2, their all-pass groups trained as supervised anchors",
+                      _cycle_config({"replay_weight": 0.2}, _loss(anchor_solved=True))),
     "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
                         {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }

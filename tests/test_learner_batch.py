@@ -226,3 +226,23 @@ def test_greedy_or_nucleus_rollouts_are_refused():
         build_training_batch(_replace(rollouts, 0, temperature=0.0), rewards)
     with pytest.raises(BatchError, match="top_p 0.9"):
         build_training_batch(_replace(rollouts, 1, top_p=0.9), rewards)
+
+
+def test_all_pass_groups_can_be_kept_as_supervised_anchors():
+    """With anchor_solved, an all-pass group's samples stay in the batch with advantage 0, marked
+    for the supervised term; all-fail groups are still dropped, and informative groups unchanged."""
+    rollouts, rewards = synthetic_tables(groups=4, group_size=4, all_equal_groups=0, seed=21)
+    rw = rewards.to_pylist()
+    groups = sorted({r["group_id"] for r in rw})
+    for r in rw:  # group 0 all pass, group 1 all fail, groups 2-3 as generated (mixed)
+        if r["group_id"] in groups[:2]:
+            r["reward"] = 1.0 if r["group_id"] == groups[0] else 0.0
+    rewards = pa.Table.from_pylist(rw, schema=rewards.schema)
+    plain = build_training_batch(rollouts, rewards)
+    anchored = build_training_batch(rollouts, rewards, anchor_solved=True)
+    assert plain.stats.groups_filtered_all_equal == anchored.stats.groups_filtered_all_equal == 2
+    by_group = lambda b, g: [s for s in b.samples if s.group_id == g]  # noqa: E731
+    assert by_group(plain, groups[0]) == [] and by_group(anchored, groups[1]) == []
+    assert [(s.off_policy, s.advantage, s.reward) for s in by_group(anchored, groups[0])] == [(True, 0.0, 1.0)] * 4
+    assert (anchored.stats.anchor_samples, anchored.stats.reference_samples) == (4, 0)
+    assert [s for s in anchored.samples if s.group_id != groups[0]] == plain.samples

@@ -79,6 +79,7 @@ class BatchStats:
     behaviour_policy_versions: tuple[int, ...]  # versions that generated the kept samples
     infra_excluded: int = 0  # rollouts left out: their verification was an infrastructure failure
     reference_samples: int = 0  # kept samples that are reference solutions (off-policy guidance)
+    anchor_samples: int = 0  # kept successes of all-pass groups, trained by the supervised term only
 
     def as_dict(self, prefix: str = "") -> dict:
         d = asdict(self)
@@ -150,13 +151,19 @@ def build_training_batch(
     vocab_size: int | None = None,
     max_length: int | None = None,
     reference_in_group: bool = True,
+    anchor_solved: bool = False,
 ) -> TrainingBatch:
     """Join, validate, compute advantages and filter (see the module docstring).
 
     Reference rows (`source` "reference", ops/rollout/dynamic.py) are off-policy samples. With
     `reference_in_group` they are members of their group like any sample (the group's baseline
     includes them; LUFFY); without, the advantages are computed over the policy's samples only and
-    every reference row is kept with advantage 0, for the loss's supervised term."""
+    every reference row is kept with advantage 0, for the loss's supervised term.
+
+    With `anchor_solved` the samples of an all-pass group (a task the policy already solves: no
+    policy-gradient signal) are kept too, with advantage 0 and marked like reference rows, so the
+    loss trains them by the supervised term alone: replayed solved tasks then hold what the policy
+    has learned while the step trains other families, instead of being dropped."""
     cfg = cfg or AdvantageConfig()
     check_binding(rollouts, rewards)
     by_key, reward_of = _join(rollouts, rewards)
@@ -177,9 +184,12 @@ def build_training_batch(
     # below regardless, with advantage 0.
     group_ids = [("reference", *k) if a else k[0] for k, a in zip(keys, apart)]
     adv = group_advantages(reward, group_ids, cfg)
-    samples = [_sample(key, by_key[key], 0.0 if a else float(adv.advantages[i]), float(reward[i]), ref)
-               for i, (key, ref, a) in enumerate(zip(keys, reference, apart)) if a or bool(adv.keep[i])]
-    stats = _batch_stats(keys, reward_of, reward, adv, samples, len(infra))
+    # A dropped sample is in an all-equal group; with a positive reward the whole group passed.
+    anchor = [anchor_solved and not ref and not bool(adv.keep[i]) and bool(reward[i] > 0)
+              for i, ref in enumerate(reference)]
+    samples = [_sample(key, by_key[key], 0.0 if a or an else float(adv.advantages[i]), float(reward[i]), ref or an)
+               for i, (key, ref, a, an) in enumerate(zip(keys, reference, apart, anchor)) if a or an or bool(adv.keep[i])]
+    stats = _batch_stats(keys, reward_of, reward, adv, samples, len(infra), anchors=sum(anchor))
     return TrainingBatch(samples, stats, batch_id(rollouts, rewards))
 
 
@@ -246,7 +256,7 @@ def _infra_failures(rewards: pa.Table) -> set[tuple[str, int]]:
 
 
 def _batch_stats(keys, reward_of: dict, reward: torch.Tensor, adv: GroupAdvantages, samples: list[TrainingSample],
-                 infra_excluded: int = 0) -> BatchStats:
+                 infra_excluded: int = 0, anchors: int = 0) -> BatchStats:
     kept_rewards = [s.reward for s in samples]
     return BatchStats(
         rollouts=len(keys),
@@ -261,7 +271,8 @@ def _batch_stats(keys, reward_of: dict, reward: torch.Tensor, adv: GroupAdvantag
         tokens=sum(len(s.sequence.ids) for s in samples),
         behaviour_policy_versions=tuple(sorted({s.policy_version for s in samples})),
         infra_excluded=infra_excluded,
-        reference_samples=sum(s.off_policy for s in samples),
+        reference_samples=sum(s.off_policy for s in samples) - anchors,
+        anchor_samples=anchors,
     )
 
 

@@ -112,7 +112,8 @@ def _read_inputs(job: LearnerJob) -> _Inputs:
     rollouts, rewards = read_batch_tables(job.rollouts, job.rewards)
     batch = build_training_batch(rollouts, rewards, job.learner.advantage, vocab_size=policy.vocab_size,
                                  max_length=policy.max_position_embeddings,
-                                 reference_in_group=job.learner.loss.off_policy != "sft")
+                                 reference_in_group=job.learner.loss.off_policy != "sft",
+                                 anchor_solved=job.learner.loss.anchor_solved)
     return _Inputs(policy, init_config, tokenizer, batch)
 
 

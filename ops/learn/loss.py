@@ -119,11 +119,19 @@ class LossConfig(BaseModel):
               "does with them (an unclipped push on solution tokens the policy finds unlikely, which the clip would "
               "stop after one update); 'sft' needs it > 0. Default 1.0, chosen with `perpetua bench learning`"),
     ] = 1.0
+    anchor_solved: Annotated[
+        bool,
+        Field(description="Keep the samples of all-pass groups (replayed solved tasks, no policy-gradient signal) as "
+              "supervised rows: sft_coef * NLL on the policy's own verified successes, which holds what it has "
+              "learned while the step trains other families (needs sft_coef > 0)"),
+    ] = False
 
     @model_validator(mode="after")
     def _check(self) -> "LossConfig":
         if self.off_policy == "sft" and self.sft_coef <= 0:
             raise ValueError("off_policy 'sft' trains reference rows by the supervised term alone: set sft_coef > 0")
+        if self.anchor_solved and self.sft_coef <= 0:
+            raise ValueError("anchor_solved trains all-pass groups by the supervised term alone: set sft_coef > 0")
         return self
 
     @classmethod
