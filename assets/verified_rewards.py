@@ -19,7 +19,10 @@ import dagster as dg
 from pydantic import Field
 
 from assets.cycle import cycle_of
+from assets.cycle_run import cycle_run_id
 from assets.metering import cost_metadata, metered
+from assets.resources import MlflowTracking
+from ops.common import tracking
 
 from ops.common.paths import home
 from ops.common.tables import REWARDS, read_table, table_hash
@@ -39,6 +42,24 @@ class VerifiedRewardsConfig(dg.Config):
     workers: int = Field(default=0, description="Parallel verification workers; 0 sizes the pool to the machine.")
 
 
+# What the cycle's MLflow record says about its rewards: how many were flagged (reward hacking or a
+# sandbox violation) and how many were infrastructure failures, so a rise shows across cycles.
+MLFLOW_METRICS = ("mean_reward", "flagged", "flagged_rate", "infra_failures", "infra_retried", "rejected",
+                  "unsandboxed", "verifications_per_second")
+
+
+def _log_reward_counts(context, mlflow: MlflowTracking, cycle: int, summary: dict, isolation: str) -> str:
+    """The `reward` stage run under the cycle's MLflow run, and the counts on the cycle run too."""
+    uri = mlflow.uri()
+    parent = cycle_run_id(context, uri, mlflow.experiment, cycle)
+    metrics = {k: float(summary[k]) for k in MLFLOW_METRICS}
+    with tracking.stage_run(uri, parent, "reward", tags=tracking.dagster_tags(context.run.run_id, "verified_rewards"),
+                            params={"verifier_versions": verifier_versions(), "sandbox_isolation": isolation}) as log:
+        log.log_metrics(metrics, step=cycle)
+    tracking.RunLog(uri, parent).log_metrics({f"rewards.{k}": v for k, v in metrics.items()}, step=cycle)
+    return log.run_id
+
+
 @dg.asset(
     key="verified_rewards",
     deps=[dg.AssetKey("rollouts")],
@@ -46,7 +67,8 @@ class VerifiedRewardsConfig(dg.Config):
     kinds={"python", "parquet"},
     code_version=CODE_VERSION,
 )
-def verified_rewards(context: dg.AssetExecutionContext, config: VerifiedRewardsConfig) -> dg.MaterializeResult:
+def verified_rewards(context: dg.AssetExecutionContext, config: VerifiedRewardsConfig,
+                     mlflow: MlflowTracking) -> dg.MaterializeResult:
     """Rewards for every rollout of the cycle: reward, typed outcome, details and the verifier
     version, from sandboxed verifiers that re-execute what the model claimed."""
     cycle = cycle_of(context, explicit=config.cycle, upstream="rollouts", stored=lambda: stored_cycles(home().data))
@@ -66,8 +88,10 @@ def verified_rewards(context: dg.AssetExecutionContext, config: VerifiedRewardsC
     if report.unsandboxed:
         context.log.error("UNSAFE: these rewards were produced WITHOUT the sandbox (PERPETUA_UNSAFE_NO_SANDBOX=1); "
                           "the check rewards_sandboxed refuses the cycle")
+    run_id = _log_reward_counts(context, mlflow, cycle, summary, report.isolation)
     metadata = {
         "cycle": cycle,
+        "mlflow_run_id": run_id,
         "path": dg.MetadataValue.path(str(path)),
         "rows": summary["rollouts"],
         "mean_reward": dg.MetadataValue.float(summary["mean_reward"]),

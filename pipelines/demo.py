@@ -104,7 +104,8 @@ def cycle_row(cycle: int, result, traffic: dict, parent: str, wall: float) -> di
         "gate_test": report.get("gate_test"),
         "deciding_set_size": report.get("deciding_set_size"),
         "known_failures_fixed": report.get("known_failures_fixed"),
-        "informative_samples": learner.get("samples_kept"),  # rollouts in groups with reward variance
+        # rollouts in groups with reward variance (samples_kept before the learner counted them apart)
+        "informative_samples": learner.get("informative_samples", learner.get("samples_kept")),
         "policy_entropy": learner.get("entropy"),
         "deployed": bool(deployed),
         "cost_usd": report.get("cycle_cost_usd"),

@@ -131,7 +131,7 @@ def harvest(instance) -> str:
 
 def run_cycle(instance) -> dg.ExecuteInProcessResult:
     from assets.policy_checkpoint import policy_checkpoint
-    from assets.resources import PolicyLineage
+    from assets.resources import MlflowTracking, PolicyLineage
     from assets.training_tasks import training_tasks
     from assets.verified_rewards import verified_rewards
 
@@ -143,7 +143,8 @@ def run_cycle(instance) -> dg.ExecuteInProcessResult:
     result = dg.materialize(
         [training_tasks, rollouts_standin, verified_rewards, policy_checkpoint, eval_report_standin, deployment_standin],
         instance=instance, run_config=config, tags={"perpetua/cycle": str(CYCLE)},
-        resources={"pipes_subprocess_client": dg.PipesSubprocessClient(), "lineage": PolicyLineage()},
+        resources={"pipes_subprocess_client": dg.PipesSubprocessClient(), "lineage": PolicyLineage(),
+                   "mlflow": MlflowTracking(tracking_uri=uri)},
     )
     assert result.success
     return result

@@ -245,4 +245,5 @@ def test_all_pass_groups_can_be_kept_as_supervised_anchors():
     assert by_group(plain, groups[0]) == [] and by_group(anchored, groups[1]) == []
     assert [(s.off_policy, s.advantage, s.reward) for s in by_group(anchored, groups[0])] == [(True, 0.0, 1.0)] * 4
     assert (anchored.stats.anchor_samples, anchored.stats.reference_samples) == (4, 0)
+    assert anchored.stats.informative_samples == plain.stats.informative_samples == plain.stats.samples_kept == 8
     assert [s for s in anchored.samples if s.group_id != groups[0]] == plain.samples

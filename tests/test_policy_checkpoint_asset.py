@@ -68,7 +68,7 @@ def test_policy_checkpoint_materializes_through_pipes(perpetua_home):
         md = {k: v.value for k, v in mat.metadata.items()}
         assert md["policy_version"] == 1 and md["parent_policy_version"] == 0
         assert md["world_size"] == 2 and md["expert_parallel"] == 2 and md["updates_this_step"] == 2
-        assert md["samples_kept"] == 12 and md["groups_filtered_all_equal"] == 1
+        assert md["samples_kept"] == md["informative_samples"] == 12 and md["groups_filtered_all_equal"] == 1
         for key in ("loss", "pg_loss", "mismatch", "entropy", "grad_norm", "load_balancing_loss",
                     "router_balance_entropy", "tokens_per_s", "step_seconds"):
             assert isinstance(md[key], float), key

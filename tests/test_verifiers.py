@@ -268,14 +268,27 @@ def test_score_a_stored_rollouts_table(perpetua_home, sb):
 def test_verified_rewards_asset_materializes_and_tracks_verifier_versions(perpetua_home, monkeypatch):
     import dagster as dg
 
+    from assets.resources import MlflowTracking
+
     import assets.verified_rewards as asset_mod
 
     _store_cycle(perpetua_home, 2)
     with dg.instance_for_test() as instance:
-        result = dg.materialize([asset_mod.verified_rewards], instance=instance)
+        result = dg.materialize([asset_mod.verified_rewards], instance=instance, resources={"mlflow": MlflowTracking()})
         assert result.success
         mat = result.asset_materializations_for_node("verified_rewards")[0]
         md = mat.metadata
+        # The flagged and infrastructure-failure counts are in the cycle's MLflow record.
+        from ops.common import tracking
+
+        c = tracking.client(MlflowTracking().uri())
+        stage = c.get_run(md["mlflow_run_id"].value)
+        assert stage.data.tags[tracking.TAG_STAGE] == "reward"
+        assert {k: stage.data.metrics[k] for k in ("flagged", "infra_failures", "flagged_rate")} == {
+            "flagged": md["flagged"].value, "infra_failures": md["infra_failures"].value,
+            "flagged_rate": pytest.approx(md["flagged_rate"].value)}
+        parent = c.get_run(stage.data.tags[tracking.TAG_PARENT])
+        assert parent.data.metrics["rewards.flagged"] == md["flagged"].value
         assert md["cycle"].value == 2 and md["rows"].value == 15
         assert md["verifications_per_second"].value > 0
         assert md["share_pass"].value == pytest.approx(1 / 3)
@@ -366,13 +379,15 @@ def test_stored_rewards_name_the_rollouts_table_they_scored(perpetua_home, sb):
 def _check_results(perpetua_home, monkeypatch, **env) -> dict:
     import dagster as dg
 
+    from assets.resources import MlflowTracking
+
     import assets.verified_rewards as asset_mod
 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     with dg.instance_for_test() as instance:
         result = dg.materialize([asset_mod.verified_rewards, asset_mod.rewards_sandboxed, asset_mod.rewards_flagged_rate],
-                                instance=instance, raise_on_error=False)
+                                instance=instance, raise_on_error=False, resources={"mlflow": MlflowTracking()})
         md = result.asset_materializations_for_node("verified_rewards")[0].metadata
         return {e.check_name: e.passed for e in result.get_asset_check_evaluations()} | {
             "unsandboxed": md["unsandboxed"].value, "flagged_rate": md["flagged_rate"].value}

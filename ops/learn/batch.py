@@ -80,6 +80,7 @@ class BatchStats:
     infra_excluded: int = 0  # rollouts left out: their verification was an infrastructure failure
     reference_samples: int = 0  # kept samples that are reference solutions (off-policy guidance)
     anchor_samples: int = 0  # kept successes of all-pass groups, trained by the supervised term only
+    informative_samples: int = 0  # kept samples of groups whose rewards differ (policy-gradient signal)
 
     def as_dict(self, prefix: str = "") -> dict:
         d = asdict(self)
@@ -189,7 +190,8 @@ def build_training_batch(
               for i, ref in enumerate(reference)]
     samples = [_sample(key, by_key[key], 0.0 if a or an else float(adv.advantages[i]), float(reward[i]), ref or an)
                for i, (key, ref, a, an) in enumerate(zip(keys, reference, apart, anchor)) if a or an or bool(adv.keep[i])]
-    stats = _batch_stats(keys, reward_of, reward, adv, samples, len(infra), anchors=sum(anchor))
+    stats = _batch_stats(keys, reward_of, reward, adv, samples, len(infra), anchors=sum(anchor),
+                         informative=int(adv.keep.sum()))
     return TrainingBatch(samples, stats, batch_id(rollouts, rewards))
 
 
@@ -256,7 +258,7 @@ def _infra_failures(rewards: pa.Table) -> set[tuple[str, int]]:
 
 
 def _batch_stats(keys, reward_of: dict, reward: torch.Tensor, adv: GroupAdvantages, samples: list[TrainingSample],
-                 infra_excluded: int = 0, anchors: int = 0) -> BatchStats:
+                 infra_excluded: int = 0, anchors: int = 0, informative: int = 0) -> BatchStats:
     kept_rewards = [s.reward for s in samples]
     return BatchStats(
         rollouts=len(keys),
@@ -273,6 +275,7 @@ def _batch_stats(keys, reward_of: dict, reward: torch.Tensor, adv: GroupAdvantag
         infra_excluded=infra_excluded,
         reference_samples=sum(s.off_policy for s in samples) - anchors,
         anchor_samples=anchors,
+        informative_samples=informative,
     )
 
 

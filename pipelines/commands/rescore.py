@@ -56,6 +56,7 @@ def _direct(data, cycle: int, workers: int) -> dict:
 def _through_dagster(cycle: int, workers: int) -> dict:
     import dagster as dg
 
+    from assets.resources import for_environment
     from assets.verified_rewards import verified_rewards
     from ops.common.paths import home
 
@@ -64,6 +65,7 @@ def _through_dagster(cycle: int, workers: int) -> dict:
     with dg.DagsterInstance.get() as instance:
         result = dg.materialize(
             [verified_rewards], instance=instance, raise_on_error=False, tags={"perpetua/rescore": str(cycle)},
+            resources={"mlflow": for_environment()["mlflow"]},
             run_config={"ops": {"verified_rewards": {"config": {"cycle": cycle, "workers": workers}}}},
         )
     if not result.success:
