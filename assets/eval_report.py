@@ -31,7 +31,7 @@ from ops.reward.scoring import rewards_path, rollouts_path
 from ops.tasks.task_world import Task
 from ops.tasks.training_tasks import current_training_tasks_path, read_training_tasks
 
-CODE_VERSION = "eval_report-2"
+CODE_VERSION = "eval_report-3"
 NIGHTLY_EVAL_JOB = "nightly_eval"
 REFERENCE_VERSION = 0  # the guard's fixed reference: the base policy
 
@@ -122,6 +122,8 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
             "gate_test": decision.gate_test,
             "deciding_set_size": decision.deciding_set_size,
             "known_failures_fixed": report["known_failures_fixed"],
+            "reused_tasks": dg.MetadataValue.json({k: v.reused_tasks for k, v in
+                                                   (("candidate", cand), ("champion", champ), ("reference", ref)) if v}),
             "guard": dg.MetadataValue.json({k: v.scores["guard"].pass_at_1 for k, v in (("candidate", cand), ("champion", champ))}),
             "production": dg.MetadataValue.json({k: report[k].get("deciding/production", {}).get("pass_at_1")
                                                  for k in ("candidate", "champion")}),
@@ -150,13 +152,19 @@ def _score_policies(server: PolicyServer, cfg: EvalConfig, sets: EvalSets, champ
     it is the champion."""
     tokenizer = load_hf_tokenizer(policies.hf_dir(candidate))
     engine = server.engine(policies.hf_dir(champion), champion)
-    champ = evaluate_policy(engine, tokenizer, policies.hf_dir(champion), champion, sets.sets, cfg)
-    cand = evaluate_policy(engine, tokenizer, policies.hf_dir(candidate), candidate, sets.sets, cfg)
+    cache = eval_cache_root()  # a policy is scored once per task: the champion and the base mostly reuse
+    champ = evaluate_policy(engine, tokenizer, policies.hf_dir(champion), champion, sets.sets, cfg, cache)
+    cand = evaluate_policy(engine, tokenizer, policies.hf_dir(candidate), candidate, sets.sets, cfg, cache)
     ref = None
     if champion != REFERENCE_VERSION:
         ref = evaluate_policy(engine, tokenizer, policies.hf_dir(REFERENCE_VERSION), REFERENCE_VERSION,
-                              {"guard": sets.sets["guard"]}, cfg)
+                              {"guard": sets.sets["guard"]}, cfg, cache)
     return champ, cand, ref
+
+
+def eval_cache_root():
+    """Recorded per-task outcomes of every scored policy (ops/evaluate/cache.py)."""
+    return home().data / "eval_report" / "cache"
 
 
 def _log_eval(context, uri: str, parent: str, cycle: int, report: dict, cand: PolicyEval, champ: PolicyEval

@@ -87,6 +87,14 @@ def test_gate_blocks_a_worse_candidate_and_deploys_a_better_one_then_rolls_back(
         assert better.success, better
         report = better.asset_materializations_for_node("eval_report")[0].metadata
         assert report["candidate_score"].value > report["champion_score"].value
+        # v1 was scored on these very sets as cycle 1's candidate, v0 as its champion: their
+        # recorded outcomes are reused, not regenerated (ops/evaluate/cache.py), and agree.
+        first = worse.asset_materializations_for_node("eval_report")[0].metadata
+        assert first["reused_tasks"].value == {"candidate": 0, "champion": 0}
+        guard = 3 * EVAL["guard_per_family"]
+        assert report["reused_tasks"].value == {"candidate": 0, "champion": first["deciding_set_size"].value + guard,
+                                                "reference": guard}
+        assert report["champion_score"].value == first["candidate_score"].value
         deployed = better.asset_materializations_for_node("deployment")[0].metadata
         assert deployed["policy_version"].value == 2
         assert deployed["served_policy_version"].value == 2

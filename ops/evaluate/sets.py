@@ -30,6 +30,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field
 
+from ops.evaluate.cache import EvalCache, policy_key
 from ops.evaluate.statistics import EvalScores, TaskSamples, eval_set_hash, samples_from_rows, score_set
 from ops.reward.scoring import verify_rollouts
 from ops.rollout.engine import RolloutEngine
@@ -129,6 +130,7 @@ class PolicyEval:
     rows: list[dict]  # one per episode: set, task_id, family, passed, outcome, finish_reason
     seconds: float
     tokens: int
+    reused_tasks: int = 0  # tasks whose recorded episodes were reused instead of generated (cache)
 
     def slice_scores(self, name: str, task_ids: Sequence[str]) -> EvalScores | None:
         """The score on a slice of the deciding set (None when the slice is empty)."""
@@ -138,26 +140,40 @@ class PolicyEval:
 
 
 def evaluate_policy(engine: RolloutEngine, tokenizer, model_dir: Path, version: int,
-                    sets: Mapping[str, Sequence[task_world.Task]], cfg: EvalConfig) -> PolicyEval:
-    """Load `version` into the engine (refit in place), generate and verify every non-empty set."""
-    if engine.policy_version != version:
-        engine.load_weights(model_dir, version)
+                    sets: Mapping[str, Sequence[task_world.Task]], cfg: EvalConfig,
+                    cache_root: Path | None = None) -> PolicyEval:
+    """Generate and verify every non-empty set with `version` (refit in place when something must be
+    generated). With `cache_root`, tasks this policy was already scored on with these settings
+    reuse their recorded episodes, and newly scored ones are recorded (ops/evaluate/cache.py)."""
     sampling = SamplingConfig(group_size=cfg.samples, temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed)
-    scores, samples, rows, seconds, tokens = {}, {}, [], 0.0, 0
+    cache = EvalCache(cache_root, policy_key(model_dir, sampling.model_dump())) if cache_root is not None else None
+    scores, samples, rows, seconds, tokens, reused = {}, {}, [], 0.0, 0, 0
     for name, tasks in sets.items():
         if not tasks:
             continue
-        batch = generate_groups(engine, tokenizer, list(tasks), sampling, cycle=0, require_version=version)
-        report = verify_rollouts(batch.rows, {t.task_id: t for t in tasks})
-        reward = {(r["group_id"], r["sample_index"]): r for r in report.rows}
-        set_rows = []
-        for r in batch.rows:
-            v = reward[(r["group_id"], r["sample_index"])]
-            set_rows.append({"set": name, "task_id": r["task_id"], "family": r["family"], "passed": v["reward"] >= 1.0,
-                             "outcome": v["outcome"], "finish_reason": r["finish_reason"]})
+        episodes = {t.task_id: cache.get(t.task_id) for t in tasks} if cache is not None else {}
+        episodes = {k: v for k, v in episodes.items() if v}
+        todo = [t for t in tasks if t.task_id not in episodes]
+        reused += len(tasks) - len(todo)
+        if todo:
+            if engine.policy_version != version:
+                engine.load_weights(model_dir, version)
+            batch = generate_groups(engine, tokenizer, todo, sampling, cycle=0, require_version=version)
+            report = verify_rollouts(batch.rows, {t.task_id: t for t in todo})
+            reward = {(r["group_id"], r["sample_index"]): r for r in report.rows}
+            fresh = []
+            for r in batch.rows:
+                v = reward[(r["group_id"], r["sample_index"])]
+                fresh.append({"task_id": r["task_id"], "family": r["family"], "passed": v["reward"] >= 1.0,
+                              "outcome": v["outcome"], "finish_reason": r["finish_reason"]})
+            if cache is not None:
+                cache.put(fresh)
+            for r in fresh:
+                episodes.setdefault(r["task_id"], []).append(r)
+            seconds += batch.seconds + report.seconds
+            tokens += batch.total_tokens
+        set_rows = [{"set": name, **r} for t in tasks for r in episodes[t.task_id]]
         samples[name] = samples_from_rows(set_rows)
         scores[name] = score_set(samples[name], name, ks=sorted({1, cfg.samples}))
         rows += set_rows
-        seconds += batch.seconds + report.seconds
-        tokens += batch.total_tokens
-    return PolicyEval(version, scores, samples, rows, seconds, tokens)
+    return PolicyEval(version, scores, samples, rows, seconds, tokens, reused)
