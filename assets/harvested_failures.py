@@ -15,6 +15,7 @@ from ops.harvest.harvester import HARVEST_CODE_VERSION, HarvestConfig, HarvestEr
 from ops.harvest.known_versions import resolve_known_versions
 from ops.harvest.mlflow_source import MlflowTraceSource
 from ops.common import tracking
+from ops.common.lineage import CONTINUES_FROM
 
 
 class HarvestedFailuresConfig(dg.Config):
@@ -78,4 +79,6 @@ def harvest_metadata(result: HarvestResult, known: list[str], known_from: str) -
         "skipped_files": dg.MetadataValue.json(result.skipped_files),
         "refused_files": dg.MetadataValue.json(result.refused_files),
         "data_version": dg.MetadataValue.text(result.data_version),
+        # The failures table holds every earlier harvest's: the audit follows this link back to them.
+        **({CONTINUES_FROM: result.extends_version} if result.extends_version else {}),
     }

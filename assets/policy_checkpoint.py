@@ -111,6 +111,7 @@ def policy_checkpoint(
     from ops.policy.checkpoint import latest_complete
     from ops.learn.config import LearnerJob
     from ops.reward.scoring import rewards_path, rollouts_path, stored_cycles
+    from ops.tasks.training_tasks import current_training_tasks_path, mark_trained
 
     h = home().ensure()
     cycle = cycle_of(context, explicit=config.cycle, upstream="verified_rewards", stored=lambda: sorted(
@@ -157,6 +158,11 @@ def policy_checkpoint(
         tracking.end_run(uri, run_id, "FAILED")
         raise
     tracking.end_run(uri, run_id, "FINISHED")
+    # The step is committed: the task set the cycle's rollouts drew from counts as trained on, so
+    # the next set is built on it (ops/tasks/training_tasks.py, `trained_path`).
+    tasks = current_training_tasks_path()
+    if tasks is not None:
+        mark_trained(tasks)
     return dg.MaterializeResult(
         metadata={**(materialization.metadata or {}), **cost_metadata(meter), "mlflow_run_id": run_id},
         data_version=materialization.data_version,

@@ -11,8 +11,9 @@
    that asset with that data version). Upstream keys come from the tags, i.e. from the asset
    graph as it was when the run happened; `parents` (the current graph) adds keys the run did
    not record, reported as missing. An event that continued from an earlier event of its own
-   asset (metadata `ops.common.lineage.CONTINUES_FROM`: a learner step from the previous checkpoint)
-   is followed there too, so a model's lineage covers every cycle it learned from.
+   asset (metadata `ops.common.lineage.CONTINUES_FROM`: a learner step from the checkpoint it
+   started from, a harvest from the failures table it extended) is followed there too, so a
+   model's lineage covers every cycle it learned from and every harvest its tasks came from.
 Nothing here depends on which assets exist: the walk goes wherever the graph goes.
 """
 

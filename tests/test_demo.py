@@ -114,15 +114,19 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
     uri = tracking.local_store(h.mlflow)[0]
     assert [tracking.client(uri).get_run(r["mlflow_run_id"]).info.status for r in (row, row2)] == ["FINISHED", "FINISHED"]
 
-    # The lineage of cycle 2's run reaches back through the checkpoint it continued from to both
-    # cycles' runs and harvests, whatever the gate decided.
+    # The lineage of cycle 2's run reaches back through the checkpoint it continued from: cycle 1's
+    # when cycle 1 was deployed (a cycle builds on the champion), the base policy's otherwise; and
+    # to both cycles' harvests either way (a harvest continues from the failures table it extended).
     audit = subprocess.run([sys.executable, "-m", "pipelines.cli", "audit", "--run", row2["dagster_run_id"], "--json"],
                            env=env, capture_output=True, text=True, timeout=300)
     lineage = json.loads(audit.stdout)
     assert audit.returncode == 0 and lineage["complete"], audit.stdout[-3000:] + audit.stderr[-3000:]
     runs_of = lambda key: {hop["dagster_run_id"] for hop in lineage["hops"] if hop["asset_key"] == key}  # noqa: E731
-    for key in ("policy_checkpoint", "rollouts", "verified_rewards", "harvested_failures"):
-        assert runs_of(key) == {row["dagster_run_id"], row2["dagster_run_id"]}, key
+    both = {row["dagster_run_id"], row2["dagster_run_id"]}
+    learned = both if row["deployed"] else {row2["dagster_run_id"]}
+    for key in ("policy_checkpoint", "rollouts", "verified_rewards"):
+        assert runs_of(key) == learned, (key, row["deployed"])
+    assert runs_of("harvested_failures") == both
     # ... to the production traces: every failure landed before the second run (harvested by
     # cycle 1 or 2), and nothing that is not a landed failure.
     assert failures_before_second <= set(lineage["trace_ids"]) <= _failure_trace_ids(home)

@@ -31,6 +31,18 @@ def job_for(home: Path, base: Path, data: Path, cycle: int):
     )
 
 
+def write_cycles(data: Path, cycles, seed: int) -> Path:
+    """Synthetic rollouts and rewards tables of 4 groups x 4 samples for each cycle, under `data`."""
+    from learner_data import synthetic_tables
+    from ops.common.tables import REWARDS, ROLLOUTS, write_table
+
+    for cycle in cycles:
+        ro, rw = synthetic_tables(4, 4, seed=seed + cycle, cycle=cycle)
+        write_table(ro, ROLLOUTS, data / f"rollouts-{cycle}.parquet")
+        write_table(rw, REWARDS, data / f"rewards-{cycle}.parquet")
+    return data
+
+
 def run_process(job, path: Path, **env) -> subprocess.CompletedProcess:
     path.write_text(job.model_dump_json())
     return subprocess.run([sys.executable, "-m", "ops.learn.main", "--config", str(path)], cwd=REPO,
@@ -54,17 +66,11 @@ def all_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def test_killed_step_resumes_from_last_complete_checkpoint(tmp_path):
     from ops.policy.checkpoint import latest_complete, meta
-    from learner_data import synthetic_tables
     from ops.learn.job import CRASH_AFTER_UPDATE, CRASH_BEFORE_COMMIT, CRASH_EXIT_CODE, run_job
     from ops.learn.world import init_world
-    from ops.common.tables import REWARDS, ROLLOUTS, write_table
 
     base = random_policy(tmp_path / "base", seed=99)
-    data = tmp_path / "data"
-    for cycle in (1, 2):
-        ro, rw = synthetic_tables(4, 4, seed=10 + cycle, cycle=cycle)
-        write_table(ro, ROLLOUTS, data / f"rollouts-{cycle}.parquet")
-        write_table(rw, REWARDS, data / f"rewards-{cycle}.parquet")
+    data = write_cycles(tmp_path / "data", (1, 2), seed=10)
     init_world(1, 0)
     quiet = lambda m: None  # noqa: E731
 
@@ -130,19 +136,13 @@ def test_step_continues_from_a_named_version_not_the_newest(tmp_path):
     the newest; version 0 is the init policy; a version with no complete checkpoint is refused."""
     import pytest
 
-    from learner_data import synthetic_tables
-    from ops.common.tables import REWARDS, ROLLOUTS, write_table
     from ops.learn.errors import LearnerError
     from ops.learn.job import run_job
     from ops.learn.world import init_world
     from ops.policy.checkpoint import meta
 
     base = random_policy(tmp_path / "base", seed=7)
-    data = tmp_path / "data"
-    for cycle in (1, 2, 3):
-        ro, rw = synthetic_tables(4, 4, seed=20 + cycle, cycle=cycle)
-        write_table(ro, ROLLOUTS, data / f"rollouts-{cycle}.parquet")
-        write_table(rw, REWARDS, data / f"rewards-{cycle}.parquet")
+    data = write_cycles(tmp_path / "data", (1, 2, 3), seed=20)
     init_world(1, 0)
     quiet = lambda m: None  # noqa: E731
     home = tmp_path / "home"

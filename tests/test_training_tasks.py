@@ -18,6 +18,7 @@ from ops.evaluate.sets import EvalConfig, eval_sets
 from ops.tasks.training_tasks import (
     TrainingTaskConfig,
     build_and_write_training_tasks,
+    mark_trained,
     build_training_tasks,
     ground_truth,
     read_training_tasks,
@@ -122,6 +123,7 @@ def test_replay_mixes_earlier_tasks_and_retries_are_idempotent(perpetua_home):
     assert training_tasks_version(read_training_tasks(first_path)) == first.data_version
     assert pq.read_table(first_path).schema.metadata[b"perpetua.harvest_generation"] == b"1"
 
+    assert mark_trained(first_path)  # the cycle's learner step committed on the first set
     land_failures(generate_tasks("sub_words", 50, seed=4), start=1000)
     second, _ = build_and_write_training_tasks(read_failures(), TrainingTaskConfig(min_replay=20, bootstrap_share=0.5))
     rows = second.table.to_pylist()
@@ -132,6 +134,26 @@ def test_replay_mixes_earlier_tasks_and_retries_are_idempotent(perpetua_home):
     assert second.counts["replay_bootstrap"] > 0
     assert second.counts["replay_previous"] + second.counts["replay_bootstrap"] == max(20, len(new))
     assert second.harvest_generation == 2
+
+
+def test_failures_of_a_set_no_learner_trained_on_stay_new(perpetua_home):
+    """A cycle that failed before its learner step committed must not demote its failures to
+    replay: the next set is built on the last set a learner trained on."""
+    land_failures(generate_tasks("add_words", 50, seed=4))
+    first, first_path = build_and_write_training_tasks(read_failures())
+    new_in_first = {r["task_id"] for r in first.table.to_pylist() if r["source"] == "failure" and r["split"] == "train"}
+    # No mark_trained: the cycle of the first set failed. More failures land; the next cycle builds.
+    land_failures(generate_tasks("sub_words", 50, seed=4), start=1000)
+    second, second_path = build_and_write_training_tasks(read_failures())
+    new_in_second = {r["task_id"] for r in second.table.to_pylist() if r["source"] == "failure" and r["split"] == "train"}
+    assert new_in_first and new_in_first <= new_in_second
+    assert not mark_trained(first_path)  # no longer the current set: nothing recorded
+    assert mark_trained(second_path)
+    land_failures(generate_tasks("mul_words", 50, seed=4), start=2000)
+    third, _ = build_and_write_training_tasks(read_failures())
+    rows = third.table.to_pylist()
+    assert not new_in_second & {r["task_id"] for r in rows if r["source"] == "failure"}  # trained: replay only now
+    assert {r["family"] for r in rows if r["source"] == "failure" and r["split"] == "train"} == {"mul_words"}
 
 
 def test_assets_materialize_with_lineage(perpetua_home, monkeypatch):

@@ -86,6 +86,7 @@ class HarvestResult:
     batch_path: Path | None  # failures of this harvest only
     quarantine_path: Path | None
     data_version: str  # table_hash of the failures table (of the empty table before any failure)
+    extends_version: str | None  # data version of the earlier failures table this one contains (None: the first)
     n_signatures: int  # rows of the failures table
     new_signatures: int  # signatures this harvest added
     families: dict[str, int]  # harvested traces by family (this harvest)
@@ -221,7 +222,9 @@ def _nothing_new(h: Home, state: Path, cursor: dict, new_files: dict, batch: Har
     gen = cursor["generation"]
     current = failures_path(h, gen) if gen else None
     merged = pq.read_table(current) if current is not None and current.exists() else None
-    return _result(gen, batch, skipped, current, None, merged, 0, None, None)
+    # The table is the earlier generation's, unchanged: this harvest continues from that one.
+    extends = failures_version(merged) if merged is not None else None
+    return _result(gen, batch, skipped, current, None, merged, 0, None, None, extends)
 
 
 def _commit(h: Home, state: Path, gen: int, new_cursor: dict, batch: HarvestBatch, skipped: list[str], prev_gen: int) -> HarvestResult:
@@ -237,11 +240,13 @@ def _commit(h: Home, state: Path, gen: int, new_cursor: dict, batch: HarvestBatc
     write_cursor(state, new_cursor)
     prune(gen, [(failures_dir(h), "failures-*.parquet"), (state, "seen-*.npy")])
     new_sigs = len(set(batch_table["signature"].to_pylist()) - set(prev["signature"].to_pylist()))
-    return _result(gen, batch, skipped, out, qpath, merged, new_sigs, batch_table, batch_path(h, gen))
+    extends = failures_version(prev) if prev_gen else None
+    return _result(gen, batch, skipped, out, qpath, merged, new_sigs, batch_table, batch_path(h, gen), extends)
 
 
 def _result(gen: int, batch: HarvestBatch, skipped: list[str], current: Path | None, qpath: Path | None,
-            merged: pa.Table | None, new_sigs: int, batch_table: pa.Table | None, batch_file: Path | None) -> HarvestResult:
+            merged: pa.Table | None, new_sigs: int, batch_table: pa.Table | None, batch_file: Path | None,
+            extends: str | None) -> HarvestResult:
     families: Counter[str] = Counter()
     types: Counter[str] = Counter()
     sample: list[str] = []
@@ -257,6 +262,7 @@ def _result(gen: int, batch: HarvestBatch, skipped: list[str], current: Path | N
         batch_path=batch_file,
         quarantine_path=qpath,
         data_version=failures_version(merged if merged is not None else HARVESTED_FAILURES.empty_table()),
+        extends_version=extends,
         n_signatures=merged.num_rows if merged is not None else 0,
         new_signatures=new_sigs,
         families=dict(sorted(families.items())),

@@ -263,8 +263,11 @@ def _sample(pool: dict[str, dict], k: int, salt: str) -> list[dict]:
 
 # ---- where task sets live ---------------------------------------------------------------------
 # PERPETUA_HOME/data/training_tasks/tasks-<data_version>.parquet, and current.json naming the
-# current set, the failures version it was built from and the set before it. Rebuilding from
-# the same failures reuses the same previous set, so a retried cycle gets the same tasks.
+# current set, the failures version it was built from, the set it was built on (`previous_path`)
+# and the last set a learner step trained on (`trained_path`, set by `mark_trained`). A new set is
+# built on the last trained one, not on the current one: failures that only a failed cycle's set
+# held are still new to the next set, not demoted to replay. Rebuilding from the same failures
+# reuses the same previous set, so a retried cycle gets the same tasks.
 
 
 def current_training_tasks_path(home: Home | None = None) -> Path | None:
@@ -286,7 +289,8 @@ def build_and_write_training_tasks(
     previous_path = None
     if pointer is not None:
         same_input = pointer.get("failures_version") == failures_version
-        previous_path = pointer.get("previous_path") if same_input else pointer["path"]
+        # Pointers written before `trained_path` existed advanced on every build.
+        previous_path = pointer.get("previous_path") if same_input else pointer.get("trained_path", pointer["path"])
     previous = read_training_tasks(Path(previous_path)) if previous_path else None
     task_set = build_training_tasks(failures, previous, settings)
     folder = h.data / "training_tasks"
@@ -294,9 +298,23 @@ def build_and_write_training_tasks(
     path = folder / f"tasks-{task_set.data_version}.parquet"
     with atomic_path(path) as tmp:
         pq.write_table(task_set.table, tmp, use_compliant_nested_type=False)
-    new_pointer = {"path": str(path), "data_version": task_set.data_version, "failures_version": failures_version, "previous_path": previous_path}
+    new_pointer = {"path": str(path), "data_version": task_set.data_version, "failures_version": failures_version,
+                   "previous_path": previous_path, "trained_path": pointer.get("trained_path") if pointer else None}
     atomic_write_text(folder / "current.json", json.dumps(new_pointer, indent=1))
     return task_set, path
+
+
+def mark_trained(path: Path, home: Home | None = None) -> bool:
+    """Record that a learner step has trained on the task set at `path` (a committed checkpoint):
+    the next set is built on it. False (nothing changed) when `path` is no longer the current set."""
+    h = home or default_home()
+    pointer = _pointer(h)
+    if pointer is None or Path(pointer["path"]) != Path(path):
+        return False
+    if pointer.get("trained_path") != str(path):
+        pointer["trained_path"] = str(path)
+        atomic_write_text(h.data / "training_tasks" / "current.json", json.dumps(pointer, indent=1))
+    return True
 
 
 def _pointer(home: Home | None) -> dict | None:
