@@ -12,7 +12,7 @@ from ops.policy.sft import SFTConfig, sft_corpus
 from ops.tasks.sampling import train_tasks
 from ops.tasks.split import is_held_out
 from ops.tasks.task_world import FAMILIES, generate_tasks
-from ops.tasks.training_tasks import TrainingTaskConfig, build_and_write_training_tasks
+from ops.tasks.training_tasks import TrainingTaskConfig, build_and_write_training_tasks, mark_trained
 
 
 def _land(tasks, start: int) -> None:
@@ -26,7 +26,8 @@ def test_no_eval_task_is_in_any_training_set(perpetua_home):
     # Production failures of every family, over two harvests: new tasks, replay of earlier ones and
     # of the bootstrap families.
     _land([t for f in FAMILIES for t in generate_tasks(f, 150, seed=21)], 0)
-    first, _ = build_and_write_training_tasks(read_failures())
+    first, first_path = build_and_write_training_tasks(read_failures())
+    mark_trained(first_path)  # the first cycle's learner step trained on it
     _land([t for f in FAMILIES for t in generate_tasks(f, 150, seed=22)], 100_000)
     second, _ = build_and_write_training_tasks(read_failures(), TrainingTaskConfig(min_replay=200))
     rl = {r["task_id"]: r["source"] for s in (first, second) for r in s.table.to_pylist() if r["split"] == "train"}
