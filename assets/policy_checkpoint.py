@@ -13,8 +13,6 @@ PERPETUA_HOME/models/policy/vNNNN/hf; the base policy (v0) is read from models/b
 
 # No `from __future__ import annotations`: Dagster reads the config annotation at decoration time.
 import json
-import os
-import sys
 from pathlib import Path
 
 import dagster as dg
@@ -110,6 +108,7 @@ def policy_checkpoint(
     from ops.common import tracking
     from ops.policy.checkpoint import latest_complete
     from ops.learn.config import LearnerJob
+    from ops.learn.main import launch_command, launch_pythonpath
     from ops.reward.scoring import rewards_path, rollouts_path, stored_cycles
     from ops.tasks.training_tasks import current_training_tasks_path, mark_trained
 
@@ -146,10 +145,8 @@ def policy_checkpoint(
     )
     job_path = jobs / f"{context.run.run_id}.json"
     job_path.write_text(job.model_dump_json(indent=2))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-               str(config.nproc_per_node), "-m", "ops.learn.main", "--config", str(job_path)]
-    env = {"PERPETUA_HOME": str(h.root), "PYTHONPATH": os.pathsep.join(
-        p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    command = launch_command(job_path, config.nproc_per_node)
+    env = {"PERPETUA_HOME": str(h.root), "PYTHONPATH": launch_pythonpath()}
     try:
         with metered("learn", cycle) as meter:  # the torchrun processes count as waited-for children
             result = pipes_subprocess_client.run(command=command, context=context, env=env, cwd=str(REPO_ROOT))

@@ -170,6 +170,7 @@ def learner_job(cuda: bool, seed: int = 0) -> dict:
     from ops.bench.learner import _random_tables
     from ops.common.tables import REWARDS, ROLLOUTS, write_table
     from ops.learn.config import LearnerConfig, LearnerJob
+    from ops.learn.main import launch_command, launch_pythonpath
     from ops.policy import hf_convert
     from ops.policy.model import PRESETS, build_model
 
@@ -189,12 +190,10 @@ def learner_job(cuda: bool, seed: int = 0) -> dict:
                              result_path=root / f"result-{step}.json")
             (root / f"job-{step}.json").write_text(job.model_dump_json())
             env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES")}
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent.parent),
-                                                            env.get("PYTHONPATH", "")) if p)
+            env["PYTHONPATH"] = launch_pythonpath()
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-                                   "-m", "ops.learn.main", "--config", str(root / f"job-{step}.json")],
-                                  env=env, capture_output=True, text=True, timeout=300)
+            proc = subprocess.run(launch_command(root / f"job-{step}.json"), env=env, capture_output=True, text=True,
+                                  timeout=300)
             if proc.returncode != 0:
                 tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-8:]
                 return {"ok": False, "error": f"step {step}: exit {proc.returncode}", "stderr_tail": tail, "steps": steps}

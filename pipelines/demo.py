@@ -67,20 +67,12 @@ def ensure_champion(uri: str, production, log: Callable[[str], None]) -> str:
     from ops.deploy.deploy import deploy_policy
 
     name = policies.REGISTERED_MODEL
-    current = registry.champion_version(uri, name) if _has_model(uri, name) else None
+    current = registry.aliases(uri, name, missing_ok=True).champion
     if current is not None:
         return deploy_policy(uri, production.serve, registry_version=current).registry_version
     first = deploy_policy(uri, production.serve, policy_version=0, tags={tracking.TAG_CYCLE: 0})
     log(f"deployed the base policy as champion (registry v{first.registry_version})")
     return first.registry_version
-
-
-def _has_model(uri: str, name: str) -> bool:
-    try:
-        registry.aliases(uri, name)
-        return True
-    except registry.RegistryError:
-        return False
 
 
 def cycle_row(cycle: int, result, traffic: dict, parent: str, wall: float) -> dict:

@@ -59,11 +59,6 @@ def registered_version(tracking_uri: str, policy_version: int, name: str = REGIS
     return str(max(int(mv.version) for mv in found)) if found else None
 
 
-def _held_policy_version(tracking_uri: str, name: str, version: str) -> int | None:
-    tag = client(tracking_uri).get_model_version(name, version).tags.get(TAG_POLICY_VERSION)
-    return int(tag) if tag not in (None, "") else None
-
-
 def deploy_policy(
     tracking_uri: str,
     serve: Serve,
@@ -91,7 +86,7 @@ def deploy_policy(
                 tags={**(tags or {}), TAG_POLICY_VERSION: policy_version})
             registered = True
     version = str(registry_version)
-    expected = policy_version if policy_version is not None else _held_policy_version(tracking_uri, name, version)
+    expected = policy_version if policy_version is not None else registry.held_policy_version(tracking_uri, name, version)
     before = registry.aliases(tracking_uri, name)
     served: list[int] = []
 
@@ -103,7 +98,7 @@ def deploy_policy(
 
     def refit(target: str, local_dir: str) -> None:
         now = serve(Path(local_dir))
-        want = expected if target == version else _held_policy_version(tracking_uri, name, target)
+        want = expected if target == version else registry.held_policy_version(tracking_uri, name, target)
         if want is not None and now != want:
             undone = serve_old_champion() if target == version else ""
             raise DeployError(f"the server serves policy v{now} after a refit to {name} v{target}, which holds policy v{want}{undone}")

@@ -70,8 +70,13 @@ def champion_policy_version(tracking_uri: str, name: str) -> tuple[str | None, i
     version = aliases(tracking_uri, name, missing_ok=True).champion
     if version is None:
         return None, 0
-    tags = client(tracking_uri).get_model_version(name, version).tags
-    return version, int(tags.get(TAG_POLICY_VERSION, 0))
+    return version, held_policy_version(tracking_uri, name, version) or 0
+
+
+def held_policy_version(tracking_uri: str, name: str, version: str) -> int | None:
+    """The policy version registry version `version` holds (its tag), None when untagged."""
+    tag = client(tracking_uri).get_model_version(name, version).tags.get(TAG_POLICY_VERSION)
+    return int(tag) if tag not in (None, "") else None
 
 
 def _check_version(tracking_uri: str, name: str, version: str) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -222,9 +222,9 @@ def _nothing_new(h: Home, state: Path, cursor: dict, new_files: dict, batch: Har
     gen = cursor["generation"]
     current = failures_path(h, gen) if gen else None
     merged = pq.read_table(current) if current is not None and current.exists() else None
+    result = _result(gen, batch, skipped, current, None, merged, 0, None, None, None)
     # The table is the earlier generation's, unchanged: this harvest continues from that one.
-    extends = failures_version(merged) if merged is not None else None
-    return _result(gen, batch, skipped, current, None, merged, 0, None, None, extends)
+    return replace(result, extends_version=result.data_version) if merged is not None else result
 
 
 def _commit(h: Home, state: Path, gen: int, new_cursor: dict, batch: HarvestBatch, skipped: list[str], prev_gen: int) -> HarvestResult:

@@ -19,6 +19,21 @@ from pathlib import Path
 from ops.common.lineage import CONTINUES_FROM
 
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def launch_command(job_path: Path, nproc_per_node: int = 1) -> list[str]:
+    """How a cycle runs this process: `torchrun --standalone` (a free rendezvous port, so two runs
+    cannot collide) with `nproc_per_node` ranks, on the job file at `job_path`."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc_per_node),
+            "-m", "ops.learn.main", "--config", str(job_path)]
+
+
+def launch_pythonpath() -> str:
+    """PYTHONPATH for the launched ranks: this repository first, then the caller's."""
+    return os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ops.learn.main", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, type=Path, help="LearnerJob JSON file")
