@@ -21,13 +21,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 
-# The verifier sandbox uses bubblewrap; the UI test drives Debian's Chromium.
+# The verifier sandbox uses bubblewrap; the UI test drives Debian's Chromium; `--db postgres`
+# and tests/test_postgres.py run Debian's PostgreSQL server (its programs are not on PATH).
 $(SYSTEM_STAMP): Makefile
 	@mkdir -p $(VENV)
-	@if ! command -v bwrap >/dev/null || ! command -v chromium >/dev/null; then \
+	@if ! command -v bwrap >/dev/null || ! command -v chromium >/dev/null || ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap chromium >/dev/null; \
-	  else echo "warning: install bubblewrap and chromium for the sandbox and the UI test"; fi; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap chromium postgresql >/dev/null; \
+	  else echo "warning: install bubblewrap, chromium and postgresql for the sandbox, the UI test and --db postgres"; fi; \
 	fi
 	touch $(SYSTEM_STAMP)
 

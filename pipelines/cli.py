@@ -25,7 +25,8 @@ COMMANDS = {
     "simulate": "Run the production simulator: traffic against the served champion, traces to landing/.",
     "rescore": "Re-score stored rollouts with the current verifiers, without regenerating them.",
     "verify": "Score one response with a verifier exactly as a cycle would; prints reward, outcome, guards.",
-    "stop": "Stop the local vLLM and MLflow servers of this PERPETUA_HOME.",
+    "stop": "Stop the local vLLM, MLflow and PostgreSQL servers of this PERPETUA_HOME.",
+    "db": "The database of this PERPETUA_HOME (SQLite or PostgreSQL): its status, or start its server.",
     "cluster": "Render and validate offline the Helm values, Dockerfile and manifests for Kubernetes.",
 }
 

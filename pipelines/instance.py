@@ -16,8 +16,16 @@ Runs executed in process (`perpetua demo`, `perpetua harvest`) do not pass throu
 they run in the calling process, one after the other. The retraining sensor still sees them
 (they are STARTED runs in the instance) and requests no cycle while one is in progress.
 
+Storage: SQLite files under DAGSTER_HOME by default (Dagster's own default, no `storage:`
+section). A home switched to PostgreSQL (ops/common/postgres.py) gets a `storage: postgres:`
+section instead: runs, event logs and schedules in the `dagster` database of the home's
+PostgreSQL server, which `prepare_dagster_home` starts when it is not running. Concurrent run
+workers, the daemon and the webserver then share one database without SQLite's file lock. The
+file then holds the database password and is made readable by its owner only.
+
 An existing dagster.yaml is kept when someone edited it; one the project wrote before
-(telemetry only, or empty) is brought up to this configuration.
+(telemetry only, empty, or a configuration this module renders) is brought up to this
+configuration.
 """
 
 from __future__ import annotations
@@ -25,7 +33,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import yaml
+
 from assets.cycle import CYCLE_LOCK_TAG
+from ops.common import postgres as pg
 from ops.common.atomic import atomic_write_text
 from ops.common.paths import Home, home
 
@@ -50,22 +61,69 @@ run_retries:
   retry_on_asset_or_op_failure: false
 """
 
+POSTGRES_STORAGE = """\
+# Run, event-log and schedule storage: the PostgreSQL server of this PERPETUA_HOME
+# (`perpetua db start` starts it; `perpetua stop` stops it).
+storage:
+  postgres:
+    postgres_db:
+      hostname: "{host}"
+      port: {port}
+      username: "{user}"
+      password: "{password}"
+      db_name: "{db_name}"
+      scheme: "{scheme}"
+"""
+
 # What earlier versions of the project wrote; such a file is replaced by INSTANCE_YAML.
 _PREVIOUS = {"", "telemetry:\n  enabled: false\n"}
 
 
-def write_instance_yaml(dagster_home: Path) -> Path:
-    """Write `dagster_home/dagster.yaml` unless a file edited by someone is there; returns its path."""
+def postgres_instance_yaml(settings: pg.PostgresSettings, password: str, db_name: str = "dagster") -> str:
+    """INSTANCE_YAML with the storage on PostgreSQL."""
+    return INSTANCE_YAML + POSTGRES_STORAGE.format(
+        host=settings.host, port=settings.port, user=settings.user, password=password, db_name=db_name, scheme=pg.SCHEME
+    )
+
+
+def instance_yaml(h: Home) -> str:
+    """The dagster.yaml this home needs: PostgreSQL storage when the home uses it, else SQLite's default."""
+    return postgres_instance_yaml(pg.settings(h), pg.password(h)) if pg.uses_postgres(h) else INSTANCE_YAML
+
+
+def _written_by_us(text: str) -> bool:
+    """True for a file this module wrote and nobody edited since (any of its renderings)."""
+    if text in _PREVIOUS or text == INSTANCE_YAML:
+        return True
+    try:
+        db = yaml.safe_load(text)["storage"]["postgres"]["postgres_db"]
+        s = pg.PostgresSettings(host=db["hostname"], port=int(db["port"]), user=db["username"])
+        return text == postgres_instance_yaml(s, db["password"], db["db_name"])
+    except (yaml.YAMLError, TypeError, KeyError, ValueError):
+        return False
+
+
+def write_instance_yaml(dagster_home: Path, text: str = INSTANCE_YAML) -> Path:
+    """Write `text` to `dagster_home/dagster.yaml` unless a file edited by someone is there;
+    returns its path. A file with a password in it is readable by its owner only."""
     dagster_home.mkdir(parents=True, exist_ok=True)
     path = dagster_home / "dagster.yaml"
-    if not path.exists() or path.read_text() in _PREVIOUS:
-        atomic_write_text(path, INSTANCE_YAML)
+    if not path.exists() or _written_by_us(path.read_text()):
+        if not path.exists() or path.read_text() != text:
+            atomic_write_text(path, text)
+        if "password:" in text:
+            path.chmod(0o600)
     return path
 
 
 def prepare_dagster_home(h: Home | None = None) -> Path:
-    """Point DAGSTER_HOME at PERPETUA_HOME/dagster and write its dagster.yaml; returns the folder."""
+    """Point DAGSTER_HOME at PERPETUA_HOME/dagster and write its dagster.yaml; returns the folder.
+    A home on PostgreSQL gets its server started (or reused) first, so the instance opens."""
     h = h or home()
-    write_instance_yaml(h.dagster)
+    if pg.uses_postgres(h):
+        from ops.serving import postgres_server
+
+        postgres_server.start(h)
+    write_instance_yaml(h.dagster, instance_yaml(h))
     os.environ["DAGSTER_HOME"] = str(h.dagster)
     return h.dagster

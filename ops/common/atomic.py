@@ -14,7 +14,9 @@ import ctypes
 import errno
 import fcntl
 import os
+import secrets
 import shutil
+import stat
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -186,3 +188,25 @@ def publish_dir(partial: Path, target: Path, replace: bool = False) -> None:
     fsync_dir(target.parent)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def owner_only_secret(path: Path, nbytes: int = 32) -> str:
+    """The secret in `path`, generated on first use (an exclusive create, mode 0600, so two
+    processes agree on one). Raises PermissionError unless the file is a regular file of this
+    uid readable by its owner only, ValueError when it is empty."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            pass  # another process created it first
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(nbytes))
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise PermissionError(f"{path} must be a regular file of uid {os.geteuid()} readable by its owner only (chmod 600)")
+    secret = path.read_text().strip()
+    if not secret:
+        raise ValueError(f"{path} is empty")
+    return secret

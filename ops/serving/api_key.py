@@ -12,9 +12,9 @@ variable PERPETUA_VLLM_API_KEY overrides it (a server not of this home). Every c
 from __future__ import annotations
 
 import os
-import secrets
-import stat
 from pathlib import Path
+
+from ops.common.atomic import owner_only_secret
 
 KEY_ENV = "PERPETUA_VLLM_API_KEY"
 
@@ -36,24 +36,14 @@ def api_key(root: Path | None = None, *, create: bool = True) -> str | None:
 
         root = home().root
     path = key_file(root)
-    if not path.exists():
-        if not create:
-            return None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except FileExistsError:
-            pass  # another process created it first
-        else:
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_urlsafe(32))
-    st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
-        raise ApiKeyError(f"{path} must be a regular file of uid {os.geteuid()} readable by its owner only (chmod 600)")
-    key = path.read_text().strip()
-    if not key:
-        raise ApiKeyError(f"{path} is empty; delete it to generate a new key")
-    return key
+    if not path.exists() and not create:
+        return None
+    try:
+        return owner_only_secret(path, 32)
+    except PermissionError as e:
+        raise ApiKeyError(str(e)) from None
+    except ValueError as e:
+        raise ApiKeyError(f"{e}; delete it to generate a new key") from None
 
 
 def auth_headers(root: Path | None = None) -> dict[str, str]:

@@ -11,6 +11,11 @@ readable and writable with the server stopped (a run the Dagster daemon launches
 `perpetua demo` has shut its server down writes the SQLite store directly), and everything
 stays under PERPETUA_HOME. `--artifacts-destination` still serves proxied artifact requests.
 
+A home on PostgreSQL (ops/common/postgres.py) keeps the store in the `mlflow` database of its
+PostgreSQL server instead of SQLite (`tracking.home_store`); `start` starts that server first. The
+store URI then holds the database password, so it reaches the server through its environment
+(MLFLOW_BACKEND_STORE_URI), not its argv, and the pid file records it without the password.
+
 `start` reuses a server already running for this PERPETUA_HOME; the process lifecycle (pid
 file, own session, log, health wait, stop) is ops/serving/supervisor.py's.
 """
@@ -23,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ops.common.paths import Home, home
-from ops.common.tracking import local_store
+from ops.common import postgres as pg
+from ops.common.tracking import home_store
 from ops.serving import supervisor
 
 DEFAULT_HOST = "127.0.0.1"
@@ -88,22 +94,27 @@ def start(
     loop does not use.
     """
     h = h or home()
-    backend, artifacts = local_store(h.mlflow)
+    backend, artifacts = home_store(h)
+    shown = pg.url(h, "mlflow", with_password=False) if pg.uses_postgres(h) else backend
 
     def launch() -> supervisor.Launch:
+        if pg.uses_postgres(h):
+            from ops.serving import postgres_server
+
+            postgres_server.start(h)
         artifacts.mkdir(parents=True, exist_ok=True)
         argv = [
-            sys.executable, "-m", "mlflow", "server",
-            "--backend-store-uri", backend,
+            sys.executable, "-m", "mlflow", "server",  # the store: MLFLOW_BACKEND_STORE_URI below
             "--default-artifact-root", artifacts.as_uri(),
             "--artifacts-destination", str(artifacts),
             "--host", host, "--port", str(port), "--workers", str(workers),
         ]  # fmt: skip
-        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "true" if jobs else "false"}
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "true" if jobs else "false",
+               "MLFLOW_BACKEND_STORE_URI": backend}
         return supervisor.Launch(argv, h.mlflow, env)
 
     def ready(pid: int, url: str, seconds: float) -> MlflowServer:
-        return MlflowServer(url, pid, host, port, backend, str(artifacts), str(log_file(h)))
+        return MlflowServer(url, pid, host, port, shown, str(artifacts), str(log_file(h)))
 
     return supervisor.start(service(h), host, port, launch, ready, timeout_s, poll_s=0.25)
 

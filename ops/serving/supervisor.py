@@ -55,12 +55,15 @@ class Service(Generic[R]):
 @dataclass(frozen=True)
 class Launch:
     """How to start one server process. `failure` turns its exit code during start-up into the
-    error message (default: the code and the log's tail)."""
+    error message (default: the code and the log's tail). `user`: run it as that system user
+    (its own group, no supplementary groups) instead of the caller, for servers that refuse to
+    run as root (PostgreSQL)."""
 
     argv: list[str]
     cwd: Path
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     failure: Callable[[int], str] | None = None
+    user: str | None = None
 
 
 # ---- the lifecycle ------------------------------------------------------------------------
@@ -132,6 +135,7 @@ def start(
         proc = subprocess.Popen(
             how.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=how.cwd,
             env=how.env, start_new_session=True,
+            **({"user": how.user, "group": how.user, "extra_groups": []} if how.user else {}),
         )  # fmt: skip
     url = f"http://{host}:{port}"
     try:

@@ -5,7 +5,6 @@ new rewards carry lineage and the stale marker clears); `--no-dagster` scores di
 from __future__ import annotations
 
 import argparse
-import os
 
 from pipelines.cli import UserError, print_json
 
@@ -60,8 +59,14 @@ def _through_dagster(cycle: int, workers: int) -> dict:
     from assets.verified_rewards import verified_rewards
     from ops.common.paths import home
 
-    home().ensure()
-    os.environ.setdefault("DAGSTER_HOME", str(home().dagster))
+    from ops.common import postgres as pg
+    from ops.serving import postgres_server
+    from pipelines.instance import prepare_dagster_home
+
+    try:
+        prepare_dagster_home(home().ensure())  # starts the home's PostgreSQL when its instance lives there
+    except (postgres_server.PostgresServerError, pg.PostgresConfigError) as e:
+        raise UserError(f"the Dagster instance cannot open: {e}") from None
     with dg.DagsterInstance.get() as instance:
         result = dg.materialize(
             [verified_rewards], instance=instance, raise_on_error=False, tags={"perpetua/rescore": str(cycle)},
