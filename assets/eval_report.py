@@ -22,6 +22,7 @@ from ops.cost import cycle_costs
 from ops.cost.accounting import CycleRecord
 from ops.cost.plot import save_ipd_plot
 from ops.deploy import registry
+from ops.evaluate import mlflow_datasets as eval_datasets
 from ops.evaluate import report as reports
 from ops.evaluate.gate import GateConfig, decide
 from ops.evaluate.sets import EvalConfig, EvalSets, PolicyEval, eval_sets, evaluate_policy
@@ -31,7 +32,7 @@ from ops.reward.scoring import rewards_path, rollouts_path
 from ops.tasks.task_world import Task
 from ops.tasks.training_tasks import current_training_tasks_path, read_training_tasks
 
-CODE_VERSION = "eval_report-3"
+CODE_VERSION = "eval_report-4"
 NIGHTLY_EVAL_JOB = "nightly_eval"
 REFERENCE_VERSION = 0  # the guard's fixed reference: the base policy
 
@@ -106,7 +107,8 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
     context.log.info("\n".join(decision.reasons))
 
     parent = cycle_run_id(context, uri, mlflow.experiment, cycle)
-    eval_run, model_id = _log_eval(context, uri, parent, cycle, report, cand, champ)
+    eval_run, model_id, evaluation = _log_eval(context, uri, parent, cycle, report, sets, cand, champ,
+                                               champion_registry_version)
     plot = _log_campaign(uri, mlflow.experiment, parent, record, cost, path)
     return dg.MaterializeResult(
         metadata={
@@ -140,6 +142,7 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
             "report": dg.MetadataValue.path(str(path)),
             "plot": dg.MetadataValue.path(str(plot)),
             "mlflow_logged_model_id": model_id,
+            **evaluation,
             **cost_metadata(meter),
         },
         data_version=dg.DataVersion(f"c{cycle}-v{cand.policy_version}-vs-v{champ.policy_version}-{d_c.eval_set_hash}"),
@@ -167,9 +170,11 @@ def eval_cache_root():
     return home().data / "eval_report" / "cache"
 
 
-def _log_eval(context, uri: str, parent: str, cycle: int, report: dict, cand: PolicyEval, champ: PolicyEval
-              ) -> tuple[str, str]:
-    """The eval stage's MLflow run: scores, the report, the cycle's datasets, the candidate checkpoint."""
+def _log_eval(context, uri: str, parent: str, cycle: int, report: dict, sets: EvalSets, cand: PolicyEval,
+              champ: PolicyEval, champion_registry_version: str | None) -> tuple[str, str, dict]:
+    """The eval stage's MLflow run: scores, the report, the cycle's datasets, the candidate
+    checkpoint; and under it the evaluation runs of candidate and champion. Logged after the
+    report is written, so a failure here fails the asset but never changes what was measured."""
     data = home().data
     with tracking.stage_run(uri, parent, "evaluate", tags=tracking.dagster_tags(context.run.run_id, "eval_report"),
                             params={"policy_version_in": champ.policy_version, "policy_version_out": cand.policy_version}) as log:
@@ -186,7 +191,31 @@ def _log_eval(context, uri: str, parent: str, cycle: int, report: dict, cand: Po
             f"policy-v{cand.policy_version}", step=cycle, params={"policy_version": cand.policy_version, "cycle": cycle},
             metrics={f"{s}.pass_at_1": v.pass_at_1 for s, v in cand.scores.items()},
             tags={tracking.TAG_HF_DIR: str(policies.hf_dir(cand.policy_version))})
-        return log.run_id, model_id
+        champion_model = (registry.version_model_id(uri, policies.REGISTERED_MODEL, champion_registry_version)
+                          if champion_registry_version else None)
+        evaluation = _log_evaluation_runs(context, uri, log, cycle, sets, {"candidate": (cand, model_id),
+                                                                          "champion": (champ, champion_model)})
+        return log.run_id, model_id, evaluation
+
+
+def _log_evaluation_runs(context, uri: str, stage: tracking.RunLog, cycle: int, sets: EvalSets,
+                         scored: dict[str, tuple[PolicyEval, str | None]]) -> dict:
+    """The eval sets as MLflow evaluation datasets and one evaluation run per policy
+    (ops/evaluate/mlflow_datasets.py); returns their Dagster metadata (names, ids, links)."""
+    tags = tracking.dagster_tags(context.run.run_id, "eval_report")
+    experiment_id = stage.experiment_id
+    datasets = eval_datasets.ensure_datasets(uri, experiment_id, sets.sets, tags)
+    runs = {role: eval_datasets.log_evaluation_run(
+                uri, eval_datasets.EvalRunSpec(role, cycle, stage.run_id, model, tags), ev, datasets, sets.sets)
+            for role, (ev, model) in scored.items()}
+    return {
+        "mlflow_eval_datasets": dg.MetadataValue.json({s: d.metadata() for s, d in datasets.items()}),
+        "mlflow_eval_dataset_urls": dg.MetadataValue.json(
+            {s: eval_datasets.dataset_url(uri, experiment_id, d.dataset_id) for s, d in datasets.items()}),
+        "mlflow_evaluation_runs": dg.MetadataValue.json(runs),
+        "mlflow_evaluation": dg.MetadataValue.url(
+            eval_datasets.evaluation_runs_url(uri, experiment_id, runs["candidate"], runs["champion"])),
+    }
 
 
 def _log_campaign(uri: str, experiment: str, parent: str, record: CycleRecord, cost, report_file):

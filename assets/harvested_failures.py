@@ -13,9 +13,11 @@ from pydantic import Field
 
 from ops.harvest.harvester import HARVEST_CODE_VERSION, HarvestConfig, HarvestError, HarvestResult, harvest
 from ops.harvest.known_versions import resolve_known_versions
+from ops.harvest import verdicts
 from ops.harvest.mlflow_source import MlflowTraceSource
 from ops.common import tracking
 from ops.common.lineage import CONTINUES_FROM
+from assets.resources import MlflowTracking
 
 
 class HarvestedFailuresConfig(dg.Config):
@@ -25,7 +27,9 @@ class HarvestedFailuresConfig(dg.Config):
     registered_model_name: str = Field(default=tracking.REGISTERED_MODEL, description="Registered model whose versions are known.")
     mlflow_tracking_uri: str | None = Field(default=None, description="MLflow tracking URI (default: env MLFLOW_TRACKING_URI, "
                                             "else the running local MLflow server, else PERPETUA_HOME/mlflow).")
-    mlflow_trace_experiments: list[str] = Field(default=[], description="Also harvest MLflow traces from these experiments.")
+    mlflow_trace_experiments: list[str] | None = Field(
+        default=None, description="Also harvest MLflow traces from these experiments; default: the project's experiment "
+                                  "(the `mlflow` resource's), when the tracking store exists. [] reads landing files only.")
     max_record_bytes: int = Field(default=1 << 20, description="Larger records are quarantined as oversized.")
     quiet_seconds: float = Field(default=300.0, ge=0, description="A JSONL file's last line without a newline is taken as "
                                  "final once the file has not changed for this long; until then it waits.")
@@ -35,23 +39,42 @@ class HarvestedFailuresConfig(dg.Config):
     name="harvested_failures",
     deps=["production_traces"],
     group_name="ingest",
-    kinds={"python", "parquet"},
+    kinds={"python", "parquet", "mlflow"},
     code_version=HARVEST_CODE_VERSION,
 )
-def harvested_failures(context: dg.AssetExecutionContext, config: HarvestedFailuresConfig) -> dg.MaterializeResult:
+def harvested_failures(context: dg.AssetExecutionContext, config: HarvestedFailuresConfig, mlflow: MlflowTracking) -> dg.MaterializeResult:
     """Validated, deduplicated production failures (bad records quarantined with reasons)."""
-    registry_uri = tracking.existing_tracking_uri(config.mlflow_tracking_uri)  # None: no registry yet
+    explicit_uri = config.mlflow_tracking_uri or mlflow.tracking_uri or None
+    registry_uri = tracking.existing_tracking_uri(explicit_uri)  # None: no store yet (no registry, no traces)
     known, known_from = resolve_known_versions(config.known_model_versions, registry_uri, config.registered_model_name)
-    mlflow = None
-    if config.mlflow_trace_experiments:
-        uri = tracking.tracking_uri(config.mlflow_tracking_uri)
-        mlflow = MlflowTraceSource(tracking_uri=uri, experiment_names=config.mlflow_trace_experiments)
+    experiments = config.mlflow_trace_experiments
+    if experiments is None:
+        experiments = [mlflow.experiment] if registry_uri is not None else []
+    source = None
+    if experiments:
+        source = MlflowTraceSource(tracking_uri=tracking.tracking_uri(explicit_uri), experiment_names=experiments)
     try:
         result = harvest(HarvestConfig(known_model_versions=known, max_record_bytes=config.max_record_bytes,
-                                       quiet_seconds=config.quiet_seconds, mlflow=mlflow))
+                                       quiet_seconds=config.quiet_seconds, mlflow=source))
     except HarvestError as e:  # no known model version: nothing read, the landing zone kept
         raise dg.Failure(description=f"{e} (known versions from: {known_from})") from None
-    return dg.MaterializeResult(metadata=harvest_metadata(result, sorted(known), known_from), data_version=dg.DataVersion(result.data_version))
+    metadata = harvest_metadata(result, sorted(known), known_from)
+    if source is not None:
+        metadata |= _write_back(context, source, result)
+    return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(result.data_version))
+
+
+def _write_back(context: dg.AssetExecutionContext, source: MlflowTraceSource, result: HarvestResult) -> dict:
+    """Mark the MLflow traces harvested as failures (ops.harvest.verdicts); links to their Traces view."""
+    links = tracking.dagster_tags(context.run.run_id, "harvested_failures")
+    marked = verdicts.mark_harvested(source.tracking_uri, result.mlflow_failures, result.generation, links)
+    urls = {}
+    for name in source.experiment_names:
+        exp = tracking.client(source.tracking_uri).get_experiment_by_name(name)
+        if exp is not None:
+            urls[f"mlflow_traces/{name}"] = dg.MetadataValue.url(tracking.traces_url(source.tracking_uri, exp.experiment_id))
+    return {"mlflow_trace_experiments": dg.MetadataValue.json(source.experiment_names),
+            "mlflow_traces_marked": dg.MetadataValue.int(marked), **urls}
 
 
 def harvest_metadata(result: HarvestResult, known: list[str], known_from: str) -> dict:

@@ -114,6 +114,12 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_
             "completion_tokens": batch.completion_tokens,
             "tokens_per_second": dg.MetadataValue.float(batch.completion_tokens / max(batch.seconds, 1e-9)),
             "generation_seconds": dg.MetadataValue.float(batch.seconds),
+            # engine compute inside the stage (ops/bench/cycle.py): the engine's generation and the
+            # screening verification; generation_seconds above is the whole sampling loop
+            "engine_seconds": dg.MetadataValue.float(batch.generation_seconds + batch.screening_seconds),
+            "engine_parts": dg.MetadataValue.json({
+                "generation_s": round(batch.generation_seconds, 3), "verification_s": round(batch.screening_seconds, 3),
+                "generation_tokens_per_s": round(batch.completion_tokens / max(batch.generation_seconds, 1e-9), 1)}),
             "finish_reasons": dg.MetadataValue.json(dict(Counter(r["finish_reason"] for r in policy_rows))),
             "episodes_with_answer": sum(1 for r in policy_rows if r["final_answer"] is not None),
             "sampling": dg.MetadataValue.json(sampling.model_dump()),

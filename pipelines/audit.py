@@ -70,9 +70,18 @@ def project_instance() -> dg.DagsterInstance:
     """The project's Dagster instance (DAGSTER_HOME = PERPETUA_HOME/dagster), opened to read."""
     from ops.common.paths import home
 
+    from ops.common import postgres as pg
+
     root = home().dagster
     if not (root / "dagster.yaml").exists() and not (root / "storage").exists():
         raise AuditError(f"no Dagster instance at {root}: nothing has run under PERPETUA_HOME={home().root} yet")
+    if pg.uses_postgres(home()):  # the instance's storage is the home's PostgreSQL: serve it first
+        from ops.serving import postgres_server
+
+        try:
+            postgres_server.start(home())
+        except (postgres_server.PostgresServerError, pg.PostgresConfigError) as e:
+            raise AuditError(f"the Dagster instance is on PostgreSQL, which cannot start: {e}") from None
     return dg.DagsterInstance.from_config(str(root))
 
 
@@ -314,3 +323,49 @@ def _with_trace_ids(audit: Audit) -> Audit:
     audit.learned_task_ids, audit.learned_trace_ids = learned_from_of(audit)
     return audit
 
+
+
+# ---- from a trace to the models --------------------------------------------------------------
+
+
+@dataclass
+class TraceAudit:
+    """Which registered model versions have a production trace in their training lineage."""
+
+    trace_id: str
+    registered_model: str
+    versions: list[dict] = field(default_factory=list)  # {model_version, policy_version, aliases, learned_from}
+    unaudited: list[dict] = field(default_factory=list)  # {model_version, reason}: versions whose lineage could not be walked
+
+    def to_json(self) -> dict:
+        return {"trace_id": self.trace_id, "registered_model": self.registered_model,
+                "model_versions": self.versions, "unaudited": self.unaudited}
+
+
+def audit_trace(instance: dg.DagsterInstance, uri: str, trace_id: str, *, name: str = REGISTERED_MODEL) -> TraceAudit:
+    """Every registered version of `name` whose lineage reaches `trace_id` (its `trace_ids`: the
+    harvested failures it descends from), oldest first; `learned_from` says whether the trace's
+    task was also in an informative group the learner used. A version deployed outside Dagster
+    has no lineage to search and is listed under `unaudited` with the reason."""
+    from mlflow.exceptions import MlflowException
+
+    from ops.common import tracking
+
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+        raise AuditError(f"no MLflow store at {uri}: nothing has been deployed yet")
+    try:
+        tracking.client(uri).get_registered_model(name)
+    except MlflowException:
+        raise AuditError(f"no registered model {name!r} in {uri}: nothing has been deployed yet") from None
+    versions = tracking.client(uri).search_model_versions(f"name = '{name}'")
+    out = TraceAudit(trace_id=trace_id, registered_model=name)
+    for mv in sorted(versions, key=lambda m: int(m.version)):
+        try:
+            audit = audit_model(instance, uri, name=name, version=str(mv.version))
+        except AuditError as e:
+            out.unaudited.append({"model_version": str(mv.version), "reason": str(e)})
+            continue
+        if trace_id in audit.trace_ids:
+            out.versions.append({"model_version": str(mv.version), "policy_version": audit.policy_version,
+                                 "aliases": sorted(mv.aliases or []), "learned_from": trace_id in audit.learned_trace_ids})
+    return out

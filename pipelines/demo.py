@@ -2,14 +2,16 @@
 
 It starts what it needs (the MLflow server; the production vLLM server serving the champion),
 bootstraps the base policy (cached by the asset itself), deploys it as the first champion, then
-for each cycle lets production traffic run and drift (the simulator writes traces to the
-landing zone) and runs the `perpetua_cycle` job exactly as the retraining sensor would: same
+for each cycle lets production traffic run and drift (the simulator logs MLflow traces into the
+demo's experiment, which the harvest reads; `traces="landing"` writes landing files instead) and runs the `perpetua_cycle` job exactly as the retraining sensor would: same
 job, a `perpetua/cycle` tag, the cycle's MLflow parent run as a tag. It executes each cycle in
 its own process (`execute_in_process`), which does not pass through the instance's run queue;
 the demo is one process and runs its cycles one after the other, and while one runs the
 retraining sensor sees it in progress and requests no other (pipelines/instance.py). Cycles are numbered after
 the ones already in the Dagster instance, and harvesting is incremental, so an interrupted demo
-can be run again without losing or duplicating anything. What it started, it stops. Last, it
+can be run again without losing or duplicating anything. What it started, it stops, but for a
+home's PostgreSQL server (`--db postgres`): the instance's storage, which `dagster dev` needs
+after the demo, runs until `perpetua stop`. Last, it
 switches the retraining sensor and the schedules on in the instance (pipelines/automation.py),
 so that the daemon of `dagster dev` carries the loop on from where the demo left it.
 """
@@ -34,6 +36,7 @@ from ops.deploy import registry
 from ops.tasks import task_world
 from ops.common import tracking
 from ops.common.paths import Home, home
+from ops.harvest.mlflow_sink import MlflowTraceSink
 
 
 @dataclass
@@ -44,6 +47,7 @@ class DemoConfig:
     experiment: str = "perpetua"
     run_config: dict = field(default_factory=dict)
     automation: bool = True  # switch the sensor and schedules on in the instance when done
+    traces: str = "mlflow"  # where production traffic goes: "mlflow" (traces in the experiment) or "landing" (files)
 
 
 # Dagster's console logger prints every engine event at DEBUG; the demo shows the stages' own
@@ -146,8 +150,10 @@ def print_failure_rates(rates: list[dict], families: list[str]) -> None:
         print(f"  {family:<10}" + "".join(f"{'-' if v is None else format(v, '.2f'):>7}" for v in cells))
 
 
-def production_traffic(production, champion: str, requests: int, t0: float, t1: float, seed: int) -> dict:
-    """A stretch of simulated production traffic against the served champion (traces to landing/)."""
+def production_traffic(production, champion: str, requests: int, t0: float, t1: float, seed: int,
+                       traces_to: Path | MlflowTraceSink) -> dict:
+    """A stretch of simulated production traffic against the served champion (traces to
+    `traces_to`: the landing folder, or MLflow)."""
     from ops.rollout.server import ServerEngine
     from ops.harvest.simulator import SimulatorConfig, run_simulation
     from ops.policy.tokenizer import load_hf_tokenizer
@@ -155,7 +161,7 @@ def production_traffic(production, champion: str, requests: int, t0: float, t1: 
     engine = ServerEngine(f"http://127.0.0.1:{production.port}")
     tokenizer = load_hf_tokenizer(policies.hf_dir(engine.policy_version))
     cfg = SimulatorConfig(requests=requests, seed=seed, time_start=t0, time_end=t1, model_version=champion, windows=1)
-    result = run_simulation(engine, tokenizer, home().landing, cfg)
+    result = run_simulation(engine, tokenizer, traces_to, cfg)
     failures = sum(r.outcome != "success" for r in result.records)
     return {"requests": len(result.records), "overall_failure_rate": failures / max(1, len(result.records)),
             "failure_rate": {f: v["rate"] for f, v in result.by_family.items()}, "by_family": result.by_family}
@@ -186,6 +192,13 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
     started_servers = [p for p in (production.port, resources["trainer_server"].port) if vllm_server.status(p) is None]
     rows, failure_rates, overall_rates, automation_state = [], [], [], {}
 
+    def traces_to(champion: str) -> Path | MlflowTraceSink:
+        """Where this stretch's traces go; MLflow traces link the champion's LoggedModel."""
+        if settings.traces == "landing":
+            return h.landing
+        model_id = registry.version_model_id(uri, policies.REGISTERED_MODEL, champion)
+        return MlflowTraceSink(tracking_uri=uri, experiment=settings.experiment, model_id=model_id)
+
     def record_traffic(cycle: int, traffic: dict) -> None:
         """One stretch of traffic's failure rates, per family and overall, under the cycle it precedes."""
         failure_rates.extend({"cycle": cycle, "family": fam, "rate": rate} for fam, rate in traffic["failure_rate"].items())
@@ -208,7 +221,8 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
             t0 = time.monotonic()
             lo, hi = (cycle - 1) / total, cycle / total  # production time advances and drifts
             champion = registry.champion_version(uri, policies.REGISTERED_MODEL)
-            traffic = production_traffic(production, champion, settings.traffic_per_cycle, lo, hi, seed=cycle)
+            traffic = production_traffic(production, champion, settings.traffic_per_cycle, lo, hi, seed=cycle,
+                                         traces_to=traces_to(champion))
             record_traffic(cycle, traffic)
             log(f"cycle {cycle}: {traffic['requests']} production requests (drift t {lo:.2f}-{hi:.2f}), "
                 f"failure rate {traffic['overall_failure_rate']:.2f}")
@@ -224,7 +238,8 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
             rows.append(row)
             print_row(row)
         champion = registry.champion_version(uri, policies.REGISTERED_MODEL)
-        final = production_traffic(production, champion, settings.traffic_per_cycle, 1.0, 1.0, seed=10_000 + total)
+        final = production_traffic(production, champion, settings.traffic_per_cycle, 1.0, 1.0, seed=10_000 + total,
+                                   traces_to=traces_to(champion))
         log(f"after cycle {total}: production failure rate {final['overall_failure_rate']:.2f}")
         record_traffic(total + 1, final)
         print_failure_rates(failure_rates, task_world.DRIFT_FAMILIES + task_world.BOOTSTRAP_FAMILIES)

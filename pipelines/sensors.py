@@ -2,7 +2,8 @@
 
 `retraining_sensor` counts new failure records in the landing zone cheaply (a regex over the
 new bytes of JSONL files, two columns of Parquet files; `ops.harvest.landing.estimate_new_failures`)
-and keeps what it has counted in the sensor cursor. Once at least `threshold` failures have
+and new ERROR or negatively rated MLflow traces in the project's experiment (by request time;
+`ops.harvest.mlflow_source.count_new_failures`), and keeps what it has counted in the sensor cursor. Once at least `threshold` failures have
 arrived since its last run request it requests a run of the cycle job, with a run key made of
 the request number and the landing listing it saw: a tick that is evaluated twice from the
 same cursor asks for the same run key, and Dagster starts one run per key.
@@ -30,6 +31,7 @@ import dagster as dg
 from assets.cycle import CYCLE_JOB, CYCLE_LOCK_TAG, CYCLE_TAG, TRIGGER_TAG
 from assets.cycle_run import close_dagster_run
 from ops.harvest.landing import estimate_new_failures
+from ops.harvest.mlflow_source import MlflowTraceSource, count_new_failures
 from ops.common.paths import home
 from assets.resources import MlflowTracking
 
@@ -64,7 +66,29 @@ def retrain_threshold(threshold: int | None = None) -> int:
 
 def _cursor(raw: str | None) -> dict:
     state = json.loads(raw) if raw else {}
-    return {"files": state.get("files", {}), "pending": state.get("pending", 0), "requests": state.get("requests", 0)}
+    return {"files": state.get("files", {}), "pending": state.get("pending", 0), "requests": state.get("requests", 0),
+            "mlflow_watermark_ms": state.get("mlflow_watermark_ms", 0)}
+
+
+def project_traces() -> MlflowTraceSource | None:
+    """The MLflow traces the cycle's harvest reads by default (the project's experiment), or None
+    while the tracking store does not exist."""
+    from ops.common import tracking
+
+    uri = tracking.existing_tracking_uri()
+    return None if uri is None else MlflowTraceSource(tracking_uri=uri, experiment_names=[MlflowTracking().experiment])
+
+
+def _new_mlflow_failures(source: MlflowTraceSource | None, watermark: int) -> tuple[int, int, str]:
+    """(count, new watermark, a note for the skip reason); an unreachable store counts nothing
+    and keeps the watermark, so those failures are counted at a later tick."""
+    if source is None:
+        return 0, watermark, ""
+    try:
+        n, newest = count_new_failures(source, watermark)
+    except Exception as e:  # noqa: BLE001 - a store that is down must not stop the landing count
+        return 0, watermark, f"; MLflow traces not counted ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    return n, newest, ""
 
 
 def make_retraining_sensor(
@@ -72,11 +96,13 @@ def make_retraining_sensor(
     job_name: str = CYCLE_JOB,
     threshold: int | None = None,
     landing: Callable[[], Path] = lambda: home().landing,
+    mlflow_traces: Callable[[], MlflowTraceSource | None] = project_traces,
     minimum_interval_seconds: int = 60,
     default_status: dg.DefaultSensorStatus = dg.DefaultSensorStatus.STOPPED,
 ) -> dg.SensorDefinition:
     """A sensor requesting `job_name` once `threshold` new failures have landed (default: env
-    PERPETUA_RETRAIN_THRESHOLD, else 32; read at each tick). `landing` is resolved at each tick."""
+    PERPETUA_RETRAIN_THRESHOLD, else 32; read at each tick). `landing` and `mlflow_traces` (the
+    MLflow trace source, None for none) are resolved at each tick."""
     if threshold is not None:
         retrain_threshold(threshold)  # a bad threshold is refused when the sensor is defined
 
@@ -91,24 +117,27 @@ def make_retraining_sensor(
         need = retrain_threshold(threshold)
         state = _cursor(context.cursor)
         new, files = estimate_new_failures(landing(), state["files"])
+        traced, watermark, note = _new_mlflow_failures(mlflow_traces(), state["mlflow_watermark_ms"])
+        new += traced
         pending = state["pending"] + new
+        seen = {"files": files, "mlflow_watermark_ms": watermark}
         if pending < need:
-            cursor = json.dumps({**state, "files": files, "pending": pending}, sort_keys=True)
+            cursor = json.dumps({**state, **seen, "pending": pending}, sort_keys=True)
             reason = "no new failures" if new == 0 else f"{pending} new failures since the last run request"
-            return dg.SensorResult(skip_reason=f"{reason} (threshold {need})", cursor=cursor)
+            return dg.SensorResult(skip_reason=f"{reason} (threshold {need}){note}", cursor=cursor)
         requests = state["requests"] + 1
-        listing = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()[:12]
+        listing = hashlib.sha256(json.dumps(seen, sort_keys=True).encode()).hexdigest()[:12]
         run_key = f"retrain-{requests}-{listing}"
         busy = _cycle_in_progress(context, job_name)
         # A run of this very request (a tick evaluated again after its cursor was lost) is not
         # another cycle: the request is repeated below and Dagster keeps the one run of its key.
         if busy is not None and busy.tags.get(RUN_KEY_TAG) != run_key:
-            cursor = json.dumps({**state, "files": files, "pending": pending}, sort_keys=True)
+            cursor = json.dumps({**state, **seen, "pending": pending}, sort_keys=True)
             return dg.SensorResult(
                 skip_reason=f"{pending} new failures (threshold {need}), but cycle run {busy.run_id} is "
                             f"{busy.status.value.lower()}: one cycle at a time, the next is requested after it",
                 cursor=cursor)
-        cursor = json.dumps({"files": files, "pending": 0, "requests": requests, "last_run_key": run_key}, sort_keys=True)
+        cursor = json.dumps({**seen, "pending": 0, "requests": requests, "last_run_key": run_key}, sort_keys=True)
         tags = {TRIGGER_TAG: name, "perpetua/new_failures": str(pending), CYCLE_LOCK_TAG: "1"}
         cycle = _next_cycle(context, job_name)
         if cycle is not None:

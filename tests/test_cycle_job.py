@@ -100,6 +100,12 @@ def test_one_cycle_through_dagster(perpetua_home, base_policy_dir, monkeypatch):
             eval_run = c.get_run(report["mlflow_eval_run_id"])
             datasets = {d.dataset.name for d in eval_run.inputs.dataset_inputs}
             assert datasets == {"rollouts-cycle1", "rewards-cycle1"}
+            # Under it, the evaluation runs of candidate and champion on the eval sets' MLflow datasets.
+            assert report["mlflow_eval_datasets"]["deciding"]["name"] == "perpetua/deciding/v1"
+            for role, run_id in report["mlflow_evaluation_runs"].items():
+                run = c.get_run(run_id)
+                assert run.data.tags["mlflow.parentRunId"] == eval_run.info.run_id and run.data.tags["perpetua.eval_role"] == role
+                assert {i.dataset.name for i in run.inputs.dataset_inputs} == {d["name"] for d in report["mlflow_eval_datasets"].values()}
             model = c.get_logged_model(report["mlflow_logged_model_id"])
             assert model.name == "policy-v1" and any(m.key == "deciding.pass_at_1" for m in model.metrics)
             assert "plots/intelligence_per_dollar.png" in [a.path for a in c.list_artifacts(parent.info.run_id, "plots")]

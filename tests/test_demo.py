@@ -62,7 +62,7 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("DAGSTER_HOME", None)
 
-    first = _demo(env, tmp_path / "first.json", "--run-config", str(tmp_path / "small.yaml"))
+    first = _demo(env, tmp_path / "first.json", "--traces", "landing", "--run-config", str(tmp_path / "small.yaml"))
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-6000:]
     assert "cycle 1: harvested" in first.stdout and "production failure rate by family" in first.stdout
     summary = json.loads((tmp_path / "first.json").read_text())
@@ -86,6 +86,9 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
     assert "bootstrap" in second.stdout  # the base policy is reused, not retrained
     assert "reusing it" in second.stderr + second.stdout
 
+    # The second run's traffic went to MLflow (the default), the first run's to landing files.
+    assert _landed(home) == landed_before_second
+
     # What Dagster and MLflow recorded, read back after every server has stopped.
     import dagster as dg
 
@@ -105,13 +108,24 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
         reads = {}
         for record in instance.fetch_materializations(dg.AssetKey("harvested_failures"), limit=10).records:
             reads[record.run_id] = record.asset_materialization.metadata["read"].value
-    # Every landed record is read by exactly one harvest: the first run's cycle read what landed
-    # before it, the second run's cycle what landed after it (the first run's closing traffic
-    # included), and the second run's closing traffic waits for the next harvest.
-    closing_traffic = _landed(home) - landed_before_second - row2["traffic"]
-    assert reads[row["dagster_run_id"]] == row["traffic"]
-    assert reads[row["dagster_run_id"]] + reads[row2["dagster_run_id"]] == _landed(home) - closing_traffic
+    # Every record is read by exactly one harvest: the first run's cycle read what landed before
+    # it; the second run's cycle read the first run's closing traffic (landing files) and the
+    # failures among its own traffic before it (MLflow traces: the source asks for failures
+    # only); the second run's closing traffic waits for the next harvest.
     uri = tracking.local_store(h.mlflow)[0]
+    c = tracking.client(uri)
+    experiment = c.get_experiment_by_name("perpetua").experiment_id
+    logged = sorted(c.search_traces(locations=[experiment], max_results=1000), key=lambda t: t.info.request_time)
+    assert len(logged) == 2 * row2["traffic"]  # before cycle 2, and after it
+    before_cycle2 = logged[: row2["traffic"]]
+    failed = [t for t in before_cycle2 if t.info.tags.get("perpetua.outcome") != "success"]
+    assert reads[row["dagster_run_id"]] == row["traffic"]
+    assert reads[row2["dagster_run_id"]] == (landed_before_second - row["traffic"]) + len(failed)
+    # The harvest wrote its verdict on each MLflow trace it harvested, and nothing else.
+    from ops.harvest import verdicts
+
+    marked = {t.info.trace_id for t in logged if any(a.name == verdicts.HARVESTED for a in t.info.assessments)}
+    assert marked == {t.info.trace_id for t in failed}
     assert [tracking.client(uri).get_run(r["mlflow_run_id"]).info.status for r in (row, row2)] == ["FINISHED", "FINISHED"]
 
     # The lineage of cycle 2's run reaches back through the checkpoint it continued from: cycle 1's
@@ -128,5 +142,19 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
         assert runs_of(key) == learned, (key, row["deployed"])
     assert runs_of("harvested_failures") == both
     # ... to the production traces: every failure landed before the second run (harvested by
-    # cycle 1 or 2), and nothing that is not a landed failure.
-    assert failures_before_second <= set(lineage["trace_ids"]) <= _failure_trace_ids(home)
+    # cycle 1 or 2) and every MLflow failure before cycle 2, and nothing that is not a failure.
+    assert failures_before_second | marked <= set(lineage["trace_ids"]) <= _failure_trace_ids(home) | marked
+
+    # From a trace to the models: a failure of the first run's traffic is in the lineage of every
+    # version deployed by a cycle (each later harvest extends the earlier failures table).
+    deployed = {r["policy_version"] for r in (row, row2) if r["deployed"]}
+    some_trace = sorted(failures_before_second)[0]
+    by_trace = subprocess.run([sys.executable, "-m", "pipelines.cli", "audit", "--trace", some_trace, "--json"],
+                              env=env, capture_output=True, text=True, timeout=300)
+    assert by_trace.returncode == 0, by_trace.stderr[-3000:]
+    found = json.loads(by_trace.stdout)
+    assert found["trace_id"] == some_trace and {v["policy_version"] for v in found["model_versions"]} == deployed
+    # A deploy credits the traces of the known failures its version solves, and only those it harvested.
+    fixers = {a.value for t in logged for a in t.info.assessments if a.name == verdicts.FIXED_BY}
+    fixed_traces = {t.info.trace_id for t in logged if any(a.name == verdicts.FIXED_BY for a in t.info.assessments)}
+    assert fixed_traces <= marked and (not fixers or row2["deployed"])

@@ -95,6 +95,20 @@ def test_gate_blocks_a_worse_candidate_and_deploys_a_better_one_then_rolls_back(
         assert report["reused_tasks"].value == {"candidate": 0, "champion": first["deciding_set_size"].value + guard,
                                                 "reference": guard}
         assert report["champion_score"].value == first["candidate_score"].value
+        # The same sets are the same MLflow evaluation datasets in both cycles; each cycle has an
+        # evaluation run per policy on them, the candidate's linked to its LoggedModel.
+        datasets = report["mlflow_eval_datasets"].value
+        assert datasets == first["mlflow_eval_datasets"].value
+        assert {s: d["name"] for s, d in datasets.items()} == {"deciding": "perpetua/deciding/v1", "guard": "perpetua/guard/v1"}
+        c = tracking.client(uri)
+        for meta in (first, report):
+            runs = meta["mlflow_evaluation_runs"].value
+            assert set(runs) == {"candidate", "champion"}
+            candidate = c.get_run(runs["candidate"])
+            assert {i.dataset.name for i in candidate.inputs.dataset_inputs} == {d["name"] for d in datasets.values()}
+            assert [m.model_id for m in candidate.inputs.model_inputs] == [meta["mlflow_logged_model_id"].value]
+            assert candidate.data.tags["dagster.asset_key"] == "eval_report"
+            assert f"compareToRunUuid={runs['champion']}" in meta["mlflow_evaluation"].value
         deployed = better.asset_materializations_for_node("deployment")[0].metadata
         assert deployed["policy_version"].value == 2
         assert deployed["served_policy_version"].value == 2

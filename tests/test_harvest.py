@@ -375,11 +375,12 @@ def test_the_asset_reports_no_known_version_in_one_line(perpetua_home, monkeypat
     import dagster as dg
 
     from assets.harvested_failures import harvested_failures
+    from assets.resources import MlflowTracking
 
     monkeypatch.setenv("PERPETUA_KNOWN_MODEL_VERSIONS", "")
     write_traces([rec(1)], home().landing)
     with dg.instance_for_test() as instance:
-        result = dg.materialize([harvested_failures], instance=instance, raise_on_error=False)
+        result = dg.materialize([harvested_failures], instance=instance, raise_on_error=False, resources={"mlflow": MlflowTracking()})
     assert not result.success
     failure = next(e for e in result.all_events if e.is_step_failure).step_failure_data.error
     assert "no model version is known" in failure.message and "\n" not in failure.message.strip()

@@ -42,17 +42,41 @@ def test_failure_rates_by_window():
     assert by_family["mod"] == {"kind": "drift", "requests": 2, "failures": 2, "rate": 1.0}
 
 
-def test_simulate_command_against_real_server(perpetua_home, base_policy_dir, capsys):
+def test_simulate_command_against_real_server(perpetua_home, base_policy_dir, capsys, monkeypatch):
+    import mlflow
+
+    from ops.common import tracking
     from ops.serving import vllm_server
     from pipelines.cli import main
 
     port = _free_port()
+    # The MLflow run below points this process's tracer at the home's store; monkeypatch puts
+    # MLFLOW_TRACKING_URI back afterwards.
+    uri = tracking.local_store(perpetua_home / "mlflow")[0]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     try:
         code = main(["simulate", "--model-dir", str(base_policy_dir), "--requests", "48", "--wave-size", "16",
-                     "--port", str(port), "--json", "--stop-server"])  # fmt: skip
+                     "--port", str(port), "--json"])  # fmt: skip
+        out = capsys.readouterr().out
+        to_mlflow = main(["simulate", "--model-dir", str(base_policy_dir), "--requests", "12", "--wave-size", "6",
+                          "--port", str(port), "--json", "--traces", "mlflow", "--seed", "5", "--stop-server"])  # fmt: skip
+        mlflow_out = json.loads(capsys.readouterr().out)
     finally:
         vllm_server.stop(port)
-    out = capsys.readouterr().out
+        mlflow.set_tracking_uri(None)
+    # With --traces mlflow the same episodes are MLflow traces in the project's experiment, each
+    # read back by the contract's MLflow mapping; failures carry the production check's verdict.
+    assert to_mlflow == 0 and mlflow_out["traces_to"] == "mlflow:perpetua" and mlflow_out["landing_files"] == []
+    c = tracking.client(uri)
+    logged = c.search_traces(locations=[c.get_experiment_by_name("perpetua").experiment_id], max_results=100)
+    assert len(logged) == 12
+    back = [traces.validate_record(traces.record_from_mlflow_trace(t)) for t in logged]
+    assert all(isinstance(r, traces.TraceRecord) for r in back), back
+    for r, t in zip(back, logged):
+        negative = [a for a in t.info.assessments if a.name == traces.MLFLOW_FEEDBACK_NAME]
+        assert (r.outcome == "failure") == bool(negative) and r.model_version == "0" and r.usage.completion_tokens > 0
+        assert (r.outcome == "success") == (r.final_answer == r.task.answer)
+    assert sum(mlflow_out["outcomes"].values()) == 12
     assert code == 0
     result = json.loads(out)
     assert result["requests"] == 48 and sum(result["outcomes"].values()) == 48

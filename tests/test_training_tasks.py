@@ -158,13 +158,14 @@ def test_failures_of_a_set_no_learner_trained_on_stay_new(perpetua_home):
 
 def test_assets_materialize_with_lineage(perpetua_home, monkeypatch):
     from assets.harvested_failures import harvested_failures
+    from assets.resources import MlflowTracking
     from assets.training_tasks import training_tasks
 
     monkeypatch.setenv("PERPETUA_KNOWN_MODEL_VERSIONS", "1")
     write_traces([failure(i, t) for i, t in enumerate(generate_tasks("sub_words", 25, seed=8))]
                  + [failure(99, generate_tasks("add", 1, seed=0)[0], model_version="5")], home().landing)
     with dg.instance_for_test() as instance:
-        result = dg.materialize([harvested_failures, training_tasks], instance=instance)
+        result = dg.materialize([harvested_failures, training_tasks], instance=instance, resources={"mlflow": MlflowTracking()})
         assert result.success
         h = result.asset_materializations_for_node("harvested_failures")[0]
         assert h.metadata["counts"].value == {
@@ -173,7 +174,7 @@ def test_assets_materialize_with_lineage(perpetua_home, monkeypatch):
         }
         assert h.metadata["conserved"].value is True and h.metadata["families"].value == {"sub_words": 25}
         assert h.metadata["trace_ids_count"].value == 25 and len(h.metadata["trace_ids_sample"].value) == 20
-        assert h.tags["dagster/code_version"] == "harvest-1"
+        assert h.tags["dagster/code_version"] == "harvest-2"
         t = result.asset_materializations_for_node("training_tasks")[0]
         table = read_training_tasks(home().data / "training_tasks" / t.metadata["path"].value.split("/")[-1])
         assert t.tags["dagster/data_version"] == training_tasks_version(table) == t.metadata["data_version"].value

@@ -1,10 +1,13 @@
-"""The real Dagster UI over the project's code location, driven by a real browser.
+"""The real Dagster and MLflow UIs over the project's code location and store, driven by a real browser.
 
 A temporary PERPETUA_HOME gets one harvest (production_traces observed, harvested_failures
 materialized through the `harvest` job); `dagster-webserver -w workspace.yaml` serves it on a
 free port on 127.0.0.1; Playwright drives Debian's Chromium (/usr/bin/chromium; no browser
 download) through the global asset lineage, the automation list, the retraining sensor and the
-materialization, and asserts what a user would read there. Screenshots go to tmp_path; set
+materialization, and asserts what a user would read there. The project's MLflow server, holding
+production traces as the demo logs them, harvested and one marked fixed, is checked the same way:
+the Traces view with the loop's assessments, and one trace with its spans and the harvester's
+rationale. Screenshots go to tmp_path; set
 PERPETUA_UI_SHOTS=DIR to keep a copy for a look (e.g. to refresh docs/ui/).
 """
 
@@ -19,6 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -123,6 +127,31 @@ def webserver(harvested, perpetua_home, tmp_path):
         stop(proc)
 
 
+@contextmanager
+def browser_page():
+    """A page of Debian's Chromium, 1920x1080, 30 s default timeout; closed afterwards."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_context(viewport={"width": 1920, "height": 1080}).new_page()
+            page.set_default_timeout(30_000)
+            yield page
+        finally:
+            browser.close()
+
+
+def check_and_keep(shots: Path) -> None:
+    """Every screenshot is a real rendering, not an empty page; PERPETUA_UI_SHOTS=DIR keeps copies."""
+    keep = os.environ.get("PERPETUA_UI_SHOTS")
+    for png in shots.glob("*.png"):
+        assert png.stat().st_size > 10_000, png
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(png, Path(keep) / png.name)
+
+
 def expand_all_groups(page) -> None:
     """Click every collapsed asset group in the lineage graph; the reload re-fits the view."""
     page.locator("foreignObject").first.wait_for()
@@ -140,7 +169,7 @@ def expand_all_groups(page) -> None:
 
 
 def test_dagster_ui_shows_the_graph_the_sensor_and_a_materialization(webserver, harvested, tmp_path):
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     from pipelines.definitions import defs
 
@@ -156,49 +185,111 @@ def test_dagster_ui_shows_the_graph_the_sensor_and_a_materialization(webserver, 
     shots = tmp_path / "ui"
     shots.mkdir()
 
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_context(viewport={"width": 1920, "height": 1080}).new_page()
-            page.set_default_timeout(30_000)
+    with browser_page() as page:
+        # Global asset lineage: every group, and every asset once the groups are expanded.
+        page.goto(webserver + "/asset-groups")
+        page.wait_for_load_state("networkidle")
+        expect(page.get_by_text("Global asset lineage")).to_be_visible()
+        expand_all_groups(page)
+        for name in asset_names:
+            expect(page.locator("foreignObject").get_by_text(name, exact=True).first).to_be_visible()
+        for group in groups:
+            expect(page.locator("foreignObject").get_by_text(group, exact=True).first).to_be_visible()
+        page.screenshot(path=str(shots / "lineage.png"))
 
-            # Global asset lineage: every group, and every asset once the groups are expanded.
-            page.goto(webserver + "/asset-groups")
-            page.wait_for_load_state("networkidle")
-            expect(page.get_by_text("Global asset lineage")).to_be_visible()
-            expand_all_groups(page)
-            for name in asset_names:
-                expect(page.locator("foreignObject").get_by_text(name, exact=True).first).to_be_visible()
-            for group in groups:
-                expect(page.locator("foreignObject").get_by_text(group, exact=True).first).to_be_visible()
-            page.screenshot(path=str(shots / "lineage.png"))
+        # Automation: every sensor and schedule of the code location.
+        page.goto(webserver + "/automation")
+        page.wait_for_load_state("networkidle")
+        for name in sensors + schedules:
+            expect(page.get_by_text(name, exact=True).first).to_be_visible()
+        page.screenshot(path=str(shots / "automation.png"))
 
-            # Automation: every sensor and schedule of the code location.
-            page.goto(webserver + "/automation")
-            page.wait_for_load_state("networkidle")
-            for name in sensors + schedules:
-                expect(page.get_by_text(name, exact=True).first).to_be_visible()
-            page.screenshot(path=str(shots / "automation.png"))
+        # The retraining sensor's own page: its description names the job it starts.
+        sensor = next(s for s in defs.sensors if s.name == "retraining_sensor")
+        page.goto(f"{webserver}/locations/{LOCATION}/sensors/retraining_sensor")
+        expect(page.get_by_text("retraining_sensor").first).to_be_visible()
+        expect(page.get_by_text(sensor.description).first).to_be_visible()
+        page.screenshot(path=str(shots / "sensor.png"))
 
-            # The retraining sensor's own page: its description names the job it starts.
-            sensor = next(s for s in defs.sensors if s.name == "retraining_sensor")
-            page.goto(f"{webserver}/locations/{LOCATION}/sensors/retraining_sensor")
-            expect(page.get_by_text("retraining_sensor").first).to_be_visible()
-            expect(page.get_by_text(sensor.description).first).to_be_visible()
-            page.screenshot(path=str(shots / "sensor.png"))
+        # The materialization: its metadata as the harvest reported it, and the run it came from.
+        page.goto(webserver + "/assets/harvested_failures?view=events")
+        expect(page.get_by_text(conservation).first).to_be_visible()
+        expect(page.get_by_text(f"Materialized in run {harvested['dagster_run_id'][:8]}").first).to_be_visible()
+        expect(page.get_by_text(harvested["failures_table"]).first).to_be_visible()
+        page.screenshot(path=str(shots / "materialization.png"), full_page=True)
 
-            # The materialization: its metadata as the harvest reported it, and the run it came from.
-            page.goto(webserver + "/assets/harvested_failures?view=events")
-            expect(page.get_by_text(conservation).first).to_be_visible()
-            expect(page.get_by_text(f"Materialized in run {harvested['dagster_run_id'][:8]}").first).to_be_visible()
-            expect(page.get_by_text(harvested["failures_table"]).first).to_be_visible()
-            page.screenshot(path=str(shots / "materialization.png"), full_page=True)
-        finally:
-            browser.close()
+    check_and_keep(shots)
 
-    keep = os.environ.get("PERPETUA_UI_SHOTS")
-    for png in shots.glob("*.png"):
-        assert png.stat().st_size > 10_000, png  # a real rendering, not an empty page
-        if keep:
-            Path(keep).mkdir(parents=True, exist_ok=True)
-            shutil.copy2(png, Path(keep) / png.name)
+
+@pytest.fixture
+def mlflow_traffic(perpetua_home, monkeypatch):
+    """The project's MLflow server on a free port, holding production traces as the demo logs
+    them, harvested once (so the harvester's verdicts are on them) and one marked fixed."""
+    from datetime import datetime, timezone
+
+    import mlflow
+    from test_mlflow_traces import _episode_records
+
+    from ops.common.paths import home
+    from ops.harvest import verdicts
+    from ops.harvest.harvester import HarvestConfig, harvest
+    from ops.harvest.mlflow_sink import MlflowTraceSink, TraceLogger
+    from ops.harvest.mlflow_source import MlflowTraceSource
+    from ops.serving import mlflow_server
+
+    h = home()
+    server = mlflow_server.start(h, port=free_port())
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url)  # the tracer exports to the process-wide URI
+    try:
+        records = TraceLogger(MlflowTraceSink(tracking_uri=server.url)).log(_episode_records(), started=datetime.now(timezone.utc))
+        result = harvest(HarvestConfig(known_model_versions=frozenset({"1"}),
+                                       mlflow=MlflowTraceSource(tracking_uri=server.url, experiment_names=["perpetua"])))
+        links = {"dagster.run_id": "ui-test"}
+        verdicts.mark_harvested(server.url, result.mlflow_failures, result.generation, links)
+        fixed = result.mlflow_failures[0]
+        verdicts.mark_fixed(server.url, "perpetua", [fixed["task_id"]], "2", links, "solves it on the harvested slice")
+        yield server.url, records, result
+    finally:
+        mlflow.set_tracking_uri(None)
+        mlflow_server.stop(h)
+
+
+def test_mlflow_ui_shows_production_traces_with_the_loop_verdicts(mlflow_traffic, tmp_path):
+    from playwright.sync_api import expect
+
+    from ops.common import tracking
+
+    url, records, result = mlflow_traffic
+    experiment = tracking.client(url).get_experiment_by_name("perpetua").experiment_id
+    shots = tmp_path / "ui"
+    shots.mkdir()
+    with browser_page() as page:
+        # The Traces view: every production episode, its question, and the assessments.
+        page.goto(tracking.traces_url(url, experiment))
+        expect(page.get_by_text(records[0].question, exact=False).first).to_be_visible(timeout=60_000)
+        for hint in ("Got it", "Close"):  # first-visit hint and the assistant panel cover the columns
+            button = page.get_by_role("button", name=hint, exact=True)
+            if button.count():
+                button.first.click()
+        for r in records:
+            expect(page.get_by_text(r.question, exact=False).first).to_be_visible()
+        for text in ("perpetua_harvested", "perpetua_fixed_by", "user_feedback", "wrong_answer", "tool_error",
+                     "error:engine_error"):
+            expect(page.get_by_text(text, exact=True).first).to_be_visible()
+        page.screenshot(path=str(shots / "mlflow-traces.png"))
+        # One harvested trace opened: its spans, and the harvester's verdict with its rationale.
+        wrong = next(r for r in records if r.final_answer == "0")
+        page.get_by_text(wrong.question, exact=False).first.click()
+        for span in ("agent", "policy", "calc"):
+            expect(page.get_by_text(span, exact=True).first).to_be_visible()
+        page.get_by_role("button", name="Assess").first.click()
+        panel = page.get_by_role("dialog")
+        expect(panel.get_by_text("Feedback (3)", exact=True)).to_be_visible()
+        for name in ("perpetua_harvested", "perpetua_fixed_by", "user_feedback"):
+            expect(panel.get_by_text(name, exact=True).first).to_be_visible()
+        verdict = panel.get_by_text("wrong_answer", exact=True).first.locator("xpath=ancestor::*[.//button][1]")
+        verdict.locator("button").first.click()  # the chevron unfolds the verdict: source and rationale
+        expect(panel.get_by_text("perpetua.harvester", exact=True).first).to_be_visible()
+        expect(panel.get_by_text("harvested as a wrong_answer failure", exact=False).first).to_be_visible()
+        page.screenshot(path=str(shots / "mlflow-trace.png"))
+    check_and_keep(shots)

@@ -12,9 +12,11 @@ What a cycle leaves in MLflow:
 - the intelligence-per-dollar plot (`RunLog.log_figure`).
 
 Where the record goes is decided in one place, `tracking_uri()`: an explicit setting, else
-MLFLOW_TRACKING_URI, else the running local MLflow server of this PERPETUA_HOME, else its SQLite
-store PERPETUA_HOME/mlflow/mlflow.db; every answer is checked by `check_tracking_uri` (MLflow's
-own default is a sqlite file relative to the working directory, which is never wanted here).
+MLFLOW_TRACKING_URI, else the running local MLflow server of this PERPETUA_HOME, else its store
+(`home_store`: SQLite at PERPETUA_HOME/mlflow/mlflow.db, or the `mlflow` database of the home's
+PostgreSQL server when the home uses PostgreSQL, ops/common/postgres.py); every answer is
+checked by `check_tracking_uri` (MLflow's own default is a sqlite file relative to the working
+directory, which is never wanted here).
 Every other function takes that URI explicitly: the fluent API's global state does not mix with
 several stores in one process (tests) or with Dagster's run processes, so all calls go through
 `client()`, the one MlflowClient factory.
@@ -32,6 +34,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from ops.common import postgres as pg
 from ops.common.paths import Home, home
 from ops.cost.accounting import Campaign, CycleCost, CycleRecord, cycle_metrics
 
@@ -75,6 +78,15 @@ def local_store(root: Path) -> tuple[str, Path]:
     return sqlite_uri(root / "mlflow.db"), root / "artifacts"
 
 
+def home_store(h: Home) -> tuple[str, Path]:
+    """(tracking URI, artifacts dir) of the home's own store: the `mlflow` database of its
+    PostgreSQL server when the home uses PostgreSQL, else the SQLite store. Artifacts stay files
+    under PERPETUA_HOME/mlflow/artifacts either way."""
+    if pg.uses_postgres(h):
+        return pg.url(h, "mlflow"), (h.mlflow / "artifacts").resolve()
+    return local_store(h.mlflow)
+
+
 def check_tracking_uri(uri: str) -> str:
     """Reject URIs that would write somewhere unintended (relative sqlite, file stores)."""
     if not uri:
@@ -93,8 +105,8 @@ def check_tracking_uri(uri: str) -> str:
 def tracking_uri(explicit: str | None = None, h: Home | None = None) -> str:
     """The tracking URI to use, checked: `explicit` (a config field, a CLI flag); else env
     MLFLOW_TRACKING_URI; else the local MLflow server running for this PERPETUA_HOME (it
-    serialises the writes of concurrent processes); else the SQLite store under
-    PERPETUA_HOME/mlflow, written directly."""
+    serialises the writes of concurrent processes); else the home's store (`home_store`), written
+    directly."""
     if explicit:
         return check_tracking_uri(explicit)
     if os.environ.get(ENV_TRACKING_URI):
@@ -103,7 +115,7 @@ def tracking_uri(explicit: str | None = None, h: Home | None = None) -> str:
 
     h = h or home()
     server = mlflow_server.status(h)
-    return check_tracking_uri(server.url) if server is not None else local_store(h.mlflow)[0]
+    return check_tracking_uri(server.url) if server is not None else home_store(h)[0]
 
 
 def existing_tracking_uri(explicit: str | None = None, h: Home | None = None) -> str | None:
@@ -128,6 +140,30 @@ def client(uri: str | None = None):
     return _client(tracking_uri() if uri is None else check_tracking_uri(uri))
 
 
+def trace_to(uri: str) -> None:
+    """Send this process's MLflow traces to `uri`. MLflow's tracer exports to the process-wide
+    tracking URI (there is no per-client destination), so this sets it, and with it env
+    MLFLOW_TRACKING_URI: callers are processes that already work against this one store (the
+    demo, `perpetua simulate`, a harvest)."""
+    import mlflow
+
+    if mlflow.get_tracking_uri() != uri or os.environ.get(ENV_TRACKING_URI) != uri:
+        mlflow.set_tracking_uri(check_tracking_uri(uri))
+
+
+def log_feedback(uri: str, trace_id: str, name: str, value: Any, source_id: str, rationale: str | None = None,
+                 metadata: Mapping[str, str] | None = None) -> None:
+    """A feedback assessment on a trace, judged by code (`source_id`), written to `uri`. MLflow's
+    `mlflow.log_feedback` writes to the process-wide URI; this goes through the tracing client
+    it uses, bound to `uri`, so no global state changes."""
+    from mlflow.entities import AssessmentSource, Feedback
+    from mlflow.tracing.client import TracingClient
+
+    feedback = Feedback(name=name, value=value, source=AssessmentSource(source_type="CODE", source_id=source_id),
+                        rationale=rationale, metadata=dict(metadata) if metadata else None)
+    TracingClient(check_tracking_uri(uri)).log_assessment(trace_id, feedback)
+
+
 def _artifact_location(tracking_uri: str, experiment: str) -> str | None:
     # Direct sqlite access: artifacts beside the db (MLflow would otherwise use ./mlruns of the
     # cwd). Through a server: let it choose (mlflow-artifacts:/, proxied to its destination).
@@ -135,6 +171,8 @@ def _artifact_location(tracking_uri: str, experiment: str) -> str | None:
         db = Path(tracking_uri[len("sqlite:///") :])
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", experiment)
         return (db.parent / "artifacts" / safe).as_uri()
+    if tracking_uri.startswith("postgresql"):  # a database written directly: artifacts under the home
+        return (home().mlflow / "artifacts" / re.sub(r"[^A-Za-z0-9_.-]", "_", experiment)).resolve().as_uri()
     return None
 
 
@@ -169,9 +207,18 @@ def run_url(tracking_uri: str, run_id: str, ui_url: str | None = None) -> str:
     For an http(s) tracking URI the UI is that server; for a direct database URI it is
     `ui_url`, by default the local server that `ops.serving.mlflow_server` starts on this store.
     """
-    base = ui_url or (tracking_uri if tracking_uri.startswith(("http://", "https://")) else DEFAULT_UI_URL)
     experiment_id = client(tracking_uri).get_run(run_id).info.experiment_id
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{_ui_base(tracking_uri, ui_url)}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def traces_url(tracking_uri: str, experiment_id: str, ui_url: str | None = None) -> str:
+    """A link to an experiment's Traces view in the MLflow UI (see `run_url` for which UI)."""
+    return f"{_ui_base(tracking_uri, ui_url)}/#/experiments/{experiment_id}/traces"
+
+
+def _ui_base(tracking_uri: str, ui_url: str | None) -> str:
+    base = ui_url or (tracking_uri if tracking_uri.startswith(("http://", "https://")) else DEFAULT_UI_URL)
+    return base.rstrip("/")
 
 
 # ---- runs ---------------------------------------------------------------------------------
@@ -406,3 +453,36 @@ def load_campaign(tracking_uri: str, experiment: str) -> Campaign:
             eval_set_hash=run.data.tags.get(TAG_EVAL_SET),
         )
     return Campaign.from_records(list(latest.values()))
+
+
+# ---- MLflow APIs bound to the process-wide URI ----------------------------------------------
+
+
+@contextmanager
+def fluent_uri(tracking_uri: str) -> Iterator[None]:
+    """Point MLflow's process-wide tracking URI at `tracking_uri` for the block, then put back
+    exactly what was there, env MLFLOW_TRACKING_URI included (`mlflow.set_tracking_uri` writes it,
+    and unsets it when restoring no URI). For the MLflow APIs that take no URI and resolve their
+    store globally: `mlflow.genai.datasets` (`EvaluationDataset.merge_records`, its records).
+    Not thread-safe, like the fluent API itself."""
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    env = os.environ.get(ENV_TRACKING_URI)
+    try:
+        with _use_tracking_uri(check_tracking_uri(tracking_uri)):
+            yield
+    finally:
+        if env is None:
+            os.environ.pop(ENV_TRACKING_URI, None)
+        else:
+            os.environ[ENV_TRACKING_URI] = env
+
+
+def experiment_page_url(tracking_uri: str, experiment_id: str, page: str, query: Mapping[str, str] | None = None,
+                        ui_url: str | None = None) -> str:
+    """A link to one page of an experiment in the MLflow UI (`evaluation-runs`, `datasets/<id>`),
+    with optional query parameters (see `run_url` for which UI)."""
+    from urllib.parse import urlencode
+
+    tail = f"?{urlencode(dict(query))}" if query else ""
+    return f"{_ui_base(tracking_uri, ui_url)}/#/experiments/{experiment_id}/{page}{tail}"

@@ -68,12 +68,13 @@ def deploy_policy(
     name: str = REGISTERED_MODEL,
     tags: Mapping[str, object] | None = None,
     run_id: str | None = None,
+    model_id: str | None = None,
     h: Home | None = None,
 ) -> Deployed:
     """Make a policy the served champion (module doc). Name it by exactly one of
     `policy_version` (its HF export under PERPETUA_HOME, registered with `tags` and as artifacts
-    of `run_id` when new) or `registry_version` (a version the registry holds, e.g. the previous
-    champion). Deploying the champion again refits the server if it serves something else.
+    of `run_id` when new, linked to the LoggedModel `model_id` when given) or `registry_version`
+    (a version the registry holds, e.g. the previous champion). Deploying the champion again refits the server if it serves something else.
     Raises DeployError (state unchanged, or as the message says) or RegistryError."""
     if (policy_version is None) == (registry_version is None):
         raise ValueError("deploy_policy needs exactly one of policy_version and registry_version")
@@ -82,7 +83,7 @@ def deploy_policy(
         registry_version = registered_version(tracking_uri, policy_version, name)
         if registry_version is None:
             registry_version = registry.register_candidate(
-                tracking_uri, policies.hf_dir(policy_version, h), name, run_id=run_id,
+                tracking_uri, policies.hf_dir(policy_version, h), name, run_id=run_id, model_id=model_id,
                 tags={**(tags or {}), TAG_POLICY_VERSION: policy_version})
             registered = True
     version = str(registry_version)

@@ -91,6 +91,9 @@ class HarvestBatch:
         self._qfile = open(quarantine_tmp, "w", encoding="utf-8")
         self._any_quarantined = False
         self.refused: list[str] = []  # landing entries refused unread (symlinks, special files)
+        # Harvested failures of sources that write verdicts back (MLflow traces): trace_id,
+        # failure_type, task_id, signature of each.
+        self.remembered: list[dict] = []
 
     # quarantine ------------------------------------------------------------------------------
     def quarantine(self, source: str, line: int | None, reason: str, raw: str) -> None:
@@ -138,9 +141,12 @@ class HarvestBatch:
         return final
 
     # classification --------------------------------------------------------------------------
-    def consume(self, accepted: pa.Table, raw_of: Callable[[int], str], line_of: Callable[[int], int | None], source: str) -> None:
+    def consume(self, accepted: pa.Table, raw_of: Callable[[int], str], line_of: Callable[[int], int | None], source: str,
+                remember: bool = False) -> None:
         """Classify valid records (`ops.harvest.validation.ACCEPTED`), in the order of the module
-        docstring. `raw_of` / `line_of` map a record's `_idx` to its raw text and line number."""
+        docstring. `raw_of` / `line_of` map a record's `_idx` to its raw text and line number.
+        `remember`: keep each harvested failure's ids in `remembered` (for sources that are
+        told what became of their records; bounded by the source's page)."""
         if accepted.num_rows == 0:
             return
         accepted = self._known_versions_only(accepted.sort_by("_idx"), raw_of, line_of, source)
@@ -155,7 +161,7 @@ class HarvestBatch:
         failures = fresh.filter(pa.array(~skip))
         self.counts.harvested += failures.num_rows
         if failures.num_rows:
-            self._keep_failures(failures)
+            self._keep_failures(failures, remember)
 
     def _known_versions_only(self, accepted: pa.Table, raw_of, line_of, source: str) -> pa.Table:
         """Quarantine records whose model version the registry does not know; return the rest."""
@@ -177,9 +183,15 @@ class HarvestBatch:
         self.seen.add(hashes[fresh])
         return accepted.filter(pa.array(fresh))
 
-    def _keep_failures(self, failures: pa.Table) -> None:
+    def _keep_failures(self, failures: pa.Table, remember: bool = False) -> None:
         rows = failure_rows(failures, self.generation)
         self.failure_types.update(rows["failure_type"].to_pylist())
+        if remember:
+            self.remembered += [
+                {"trace_id": ids[0], "failure_type": ft, "task_id": tid, "signature": sig}
+                for ids, ft, tid, sig in zip(rows["trace_ids"].to_pylist(), rows["failure_type"].to_pylist(),
+                                             rows["task_id"].to_pylist(), rows["signature"].to_pylist())
+            ]  # fmt: skip
         self.failure_rows.append(rows)
         self._pending_rows += rows.num_rows
         if self._pending_rows >= COMPACT_ROWS:  # bounded memory: keep per-signature aggregates

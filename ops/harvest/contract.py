@@ -47,9 +47,11 @@ appended to a JSONL file later are harvested from the stored offset).
 
 MLflow traces are a second transport of the same contract: `record_from_mlflow_trace` maps one
 (tags `perpetua.model_version`, `perpetua.family`, optional `perpetua.outcome`,
-`perpetua.task_id`, `perpetua.expression`; root span inputs `question`, outputs `answer`; TOOL
-spans are tool calls; an ERROR trace is outcome=error; a feedback assessment named
-`MLFLOW_FEEDBACK_NAME` with value false is negative feedback).
+`perpetua.task_id`, `perpetua.expression`, `perpetua.answer`; root span inputs `question`,
+outputs `answer`; TOOL spans are tool calls; LLM spans, where the agent traced them, are the
+assistant turns; an ERROR trace is outcome=error; a feedback assessment named
+`MLFLOW_FEEDBACK_NAME` with value false is negative feedback). `ops.harvest.mlflow_sink` writes
+this shape.
 """
 
 from __future__ import annotations
@@ -287,6 +289,7 @@ def record_from_mlflow_trace(trace: Any, feedback_name: str = MLFLOW_FEEDBACK_NA
     answer = outputs.get("answer") if isinstance(outputs, dict) else outputs
     final_answer = None if answer is None else str(answer)
 
+    spans.sort(key=lambda s: s.start_time_ns or 0)  # the turns in the order they happened
     tool_calls = []
     for s in spans:
         if str(getattr(s, "span_type", "")) != "TOOL":
@@ -327,11 +330,22 @@ def record_from_mlflow_trace(trace: Any, feedback_name: str = MLFLOW_FEEDBACK_NA
     messages = []
     if question is not None:
         messages.append({"role": "user", "content": str(question)})
-    for call in tool_calls:
-        messages.append({"role": "assistant", "content": f"CALL {call['name']}({call['arguments']})"})
-        messages.append({"role": "tool", "content": call["result"] if call["error"] is None else f"error: {call['error']}"})
-    if final_answer is not None:
-        messages.append({"role": "assistant", "content": final_answer})
+    turns = [s for s in spans if str(getattr(s, "span_type", "")) in ("LLM", "CHAT_MODEL", "TOOL")]
+    if any(str(s.span_type) in ("LLM", "CHAT_MODEL") for s in turns):
+        # The agent traced its model turns: the conversation is theirs, tool results between.
+        calls = iter(tool_calls)
+        for s in turns:
+            if str(s.span_type) == "TOOL":
+                call = next(calls)
+                messages.append({"role": "tool", "content": call["result"] if call["error"] is None else f"error: {call['error']}"})
+            else:
+                messages.append({"role": "assistant", "content": _span_text(s.outputs)})
+    else:  # only tool spans: the calls and the answer stand for the turns
+        for call in tool_calls:
+            messages.append({"role": "assistant", "content": f"CALL {call['name']}({call['arguments']})"})
+            messages.append({"role": "tool", "content": call["result"] if call["error"] is None else f"error: {call['error']}"})
+        if final_answer is not None:
+            messages.append({"role": "assistant", "content": final_answer})
 
     record: dict[str, Any] = {
         "trace_id": info.trace_id,
@@ -348,13 +362,26 @@ def record_from_mlflow_trace(trace: Any, feedback_name: str = MLFLOW_FEEDBACK_NA
     for key in ("model_version", "family"):
         if f"perpetua.{key}" in tags:
             record[key] = tags[f"perpetua.{key}"]
-    task = {k: tags[f"perpetua.{k}"] for k in ("task_id", "expression") if f"perpetua.{k}" in tags}
+    task = {k: tags[f"perpetua.{k}"] for k in ("task_id", "expression", "answer") if f"perpetua.{k}" in tags}
     if task:
         record["task"] = task
     usage = getattr(info, "token_usage", None)
     if isinstance(usage, dict) and {"input_tokens", "output_tokens"} <= set(usage):
         record["usage"] = {"prompt_tokens": usage["input_tokens"], "completion_tokens": usage["output_tokens"]}
     return record
+
+
+def _span_text(outputs: Any) -> str:
+    """A model turn's text from an LLM span's outputs (a string, or a chat completion's message)."""
+    if isinstance(outputs, str):
+        return outputs
+    if isinstance(outputs, dict):
+        choices = outputs.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            return str((choices[0].get("message") or {}).get("content") or "")
+        if "content" in outputs:
+            return str(outputs["content"])
+    return "" if outputs is None else json.dumps(outputs, default=str)
 
 
 def _status_code(span: Any) -> str:

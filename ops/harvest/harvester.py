@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -47,11 +47,11 @@ from ops.harvest.classify import HarvestBatch, HarvestCounts
 from ops.harvest.failures import HARVESTED_FAILURES, batch_path, failures_dir, failures_path, failures_version, merge_failures, write_failures
 from ops.harvest.jsonl_source import harvest_jsonl
 from ops.harvest.landing import NotRegularFile, landing_files
-from ops.harvest.mlflow_source import MlflowTraceSource, harvest_mlflow
+from ops.harvest.mlflow_source import MlflowTraceSource, harvest_mlflow, has_new_traces
 from ops.harvest.parquet_source import harvest_parquet
 from ops.harvest.state import CURSOR_VERSION, exclusive, load_cursor, load_seen, prune, state_dir, write_cursor, write_seen
 
-HARVEST_CODE_VERSION = "harvest-1"  # bump when what counts as a harvested failure changes
+HARVEST_CODE_VERSION = "harvest-2"  # bump when what counts as a harvested failure changes
 
 
 class HarvestConfig(BaseModel):
@@ -94,6 +94,9 @@ class HarvestResult:
     trace_ids_sample: list[str]  # up to 20 trace ids harvested now (all are in the batch table)
     skipped_files: list[str]  # landing files that are not trace files (unknown suffix)
     refused_files: list[str]  # symlinks and special files in the landing zone (never read)
+    # MLflow traces harvested as failures ({trace_id, failure_type, task_id, signature}), for the
+    # verdicts written back on them (ops.harvest.verdicts).
+    mlflow_failures: list[dict] = field(default_factory=list)
 
 
 def harvest(settings: HarvestConfig, home: Home | None = None) -> HarvestResult:
@@ -106,7 +109,7 @@ def harvest(settings: HarvestConfig, home: Home | None = None) -> HarvestResult:
         gen = cursor["generation"] + 1
         files, skipped, refused = landing_files(h.landing)
         if not settings.known_model_versions:
-            _refuse_without_known_versions(files, cursor["files"], settings)
+            _refuse_without_known_versions(files, cursor["files"], cursor["mlflow"], settings)
         batch = HarvestBatch(settings.known_model_versions, load_seen(state, cursor["generation"]),
                              h.quarantine / f".harvest-{gen:06d}.jsonl.tmp", gen)
         batch.refused.extend(rel for rel, _ in refused)
@@ -137,12 +140,14 @@ def _unread(path: Path, entry: dict | None) -> bool:
     return not (entry["size"] == size and entry["offset"] >= size)
 
 
-def _refuse_without_known_versions(files: list[tuple[str, Path]], entries: dict, settings: HarvestConfig) -> None:
+def _refuse_without_known_versions(files: list[tuple[str, Path]], entries: dict, mlflow_entries: dict,
+                                   settings: HarvestConfig) -> None:
     """With no known model version every record would be quarantined as unknown: fail instead,
     before reading anything, when there is something to read."""
     waiting = [rel for rel, path in files if _unread(path, entries.get(rel))]
-    if waiting or settings.mlflow is not None:
-        what = f"{len(waiting)} landing file(s) with unread records" if waiting else "the MLflow trace source"
+    src = settings.mlflow
+    if waiting or (src is not None and has_new_traces(src, mlflow_entries.get(src.cursor_key(), {}))):
+        what = f"{len(waiting)} landing file(s) with unread records" if waiting else "new MLflow traces"
         raise HarvestError(
             f"no model version is known, so no record could be accepted: {what} left as they are, cursor "
             "unchanged; deploy a policy (its registry versions are known) or set PERPETUA_KNOWN_MODEL_VERSIONS")
@@ -270,4 +275,5 @@ def _result(gen: int, batch: HarvestBatch, skipped: list[str], current: Path | N
         trace_ids_sample=sample,
         skipped_files=skipped,
         refused_files=sorted(batch.refused),
+        mlflow_failures=list(batch.remembered),
     )

@@ -56,24 +56,57 @@ def harvest_mlflow(src: MlflowTraceSource, entry: dict, batch: HarvestBatch) -> 
     return {"watermark_ms": watermark, "recent": recent}
 
 
-def _new_traces(client, src: MlflowTraceSource, experiment_id: str, since: int, recent: dict[str, int]) -> dict[str, Any]:
-    """ERROR or negatively rated traces since `since` that are not in `recent`, by trace id."""
+def count_new_failures(src: MlflowTraceSource, watermark_ms: int) -> tuple[int, int]:
+    """(ERROR or negatively rated traces requested after `watermark_ms`, the new watermark).
+
+    Cheap, for triggering (the retraining sensor): no lookback, no validation, no dedup across
+    the two filters beyond trace ids; the harvester's counts are the exact ones."""
+    client = tracking.client(src.tracking_uri)
+    seen: set[str] = set()
+    newest = watermark_ms
+    for name in src.experiment_names:
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            continue
+        for tr in _new_traces(client, src, exp.experiment_id, watermark_ms + 1, {}).values():
+            seen.add(tr.info.trace_id)
+            newest = max(newest, int(tr.info.request_time))
+    return len(seen), newest
+
+
+def has_new_traces(src: MlflowTraceSource, entry: dict) -> bool:
+    """Whether a harvest of `src` would read anything (one trace looked up per filter)."""
+    client = tracking.client(src.tracking_uri)
+    recent = dict(entry.get("recent", {}))
+    since = max(0, int(entry.get("watermark_ms", 0)) - src.lookback_ms)
+    for name in src.experiment_names:
+        exp = client.get_experiment_by_name(name)
+        if exp is not None and _new_traces(client, src, exp.experiment_id, since, recent, limit=len(recent) + 1):
+            return True
+    return False
+
+
+def _new_traces(client, src: MlflowTraceSource, experiment_id: str, since: int, recent: dict[str, int],
+                limit: int | None = None) -> dict[str, Any]:
+    """ERROR or negatively rated traces since `since` that are not in `recent`, by trace id
+    (with `limit`: looks at no more than that many traces per filter)."""
     found: dict[str, Any] = {}
     for flt in ("trace.status = 'ERROR'", f"feedback.{src.feedback_name} = 'false'"):
-        token = None
+        token, looked = None, 0
         while True:
             page = client.search_traces(
                 locations=[experiment_id],
                 filter_string=f"{flt} AND trace.timestamp_ms >= {since}",
-                max_results=src.page_size,
+                max_results=src.page_size if limit is None else min(src.page_size, limit - looked),
                 order_by=["timestamp_ms ASC"],
                 page_token=token,
             )
             for tr in page:
                 if tr.info.trace_id not in recent:
                     found.setdefault(tr.info.trace_id, tr)
+            looked += len(page)
             token = page.token
-            if not token:
+            if not token or (limit is not None and looked >= limit):
                 break
     return found
 
@@ -95,5 +128,5 @@ def _consume_traces(found: dict[str, Any], source: str, feedback_name: str, rece
             raws.append(raw)
         recent[tr.info.trace_id] = int(tr.info.request_time)
         watermark = max(watermark, int(tr.info.request_time))
-    batch.consume(records_table(items), lambda i: raws[i], lambda i: None, source)
+    batch.consume(records_table(items), lambda i: raws[i], lambda i: None, source, remember=True)
     return watermark

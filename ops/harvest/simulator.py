@@ -5,13 +5,14 @@ draws tasks from the task world with a family mix that drifts over production ti
 [0, 1] (`task_world.production_mix(t)`: new phrasings and operators appear and grow), every
 request runs as a tool episode on the serving engine (the vLLM server, through
 ops.rollout.server.ServerEngine: the same episode loop as training rollouts), is checked, and
-becomes a trace record (ops.harvest.contract contract v1) in PERPETUA_HOME/landing/, where the harvester
-picks up the failures. The failure rate per family over time is the production signal the
+becomes a trace record (ops.harvest.contract contract v1), where the harvester picks up the
+failures: a file in PERPETUA_HOME/landing/, or an MLflow trace in the tracking store
+(`ops.harvest.mlflow_sink`, as an agent instrumented with MLflow tracing logs its traffic). The failure rate per family over time is the production signal the
 demo reports (drift families fail until training catches up).
 
 The check is pluggable (`verify`); the default compares the final answer with the task's
-ground truth. Requests go out in waves of `wave_size` concurrent episodes, one landing file
-per wave (files appear while the simulation runs, as real traffic would).
+ground truth. Requests go out in waves of `wave_size` concurrent episodes, written when the wave
+ends (one landing file per wave; traces appear while the simulation runs, as real traffic would).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ops.tasks import task_world
 from ops.rollout.engine import PolicyVersionError, RolloutEngine
 from ops.rollout.episodes import Episode, EpisodeRunner, EpisodeConfig
 from ops.harvest.contract import TraceRecord, write_traces
+from ops.harvest.mlflow_sink import MlflowTraceSink, TraceLogger
 
 Verify = Callable[[task_world.Task, Episode], bool]
 
@@ -60,13 +62,14 @@ class SimulatorConfig(BaseModel):
 class SimulationResult:
     records: list[TraceRecord]
     times: list[float]  # production time t of each record
-    landing_files: list[Path]
+    landing_files: list[Path]  # one per wave when traces go to the landing zone
     seconds: float
     model_version: str
     policy_version: int | None
     failure_rate: list[dict] = field(default_factory=list)
     by_family: dict[str, dict] = field(default_factory=dict)
     stopped_early: str | None = None  # why the run ended before its requests/duration
+    traces_to: str = "landing"  # "landing", or "mlflow:<experiment>"
 
     def to_dict(self) -> dict:
         outcomes: dict[str, int] = defaultdict(int)
@@ -77,6 +80,7 @@ class SimulationResult:
             "seconds": round(self.seconds, 3),
             "model_version": self.model_version,
             "policy_version": self.policy_version,
+            "traces_to": self.traces_to,
             "landing_files": [str(p) for p in self.landing_files],
             "outcomes": dict(outcomes),
             "failure_rate": self.failure_rate,
@@ -104,14 +108,16 @@ class Traffic:
 def run_simulation(
     engine: RolloutEngine,
     tokenizer,
-    landing_dir: Path,
+    traces_to: Path | MlflowTraceSink,
     cfg: SimulatorConfig | None = None,
     *,
     verify: Verify = answer_matches,
     log: Callable[[str], None] = lambda line: None,
 ) -> SimulationResult:
-    """Send the traffic, write the traces, and report failure rates by family over time."""
+    """Send the traffic, write the traces (to a landing folder, or to MLflow), and report
+    failure rates by family over time."""
     cfg = cfg or SimulatorConfig()
+    mlflow = TraceLogger(traces_to) if isinstance(traces_to, MlflowTraceSink) else None
     if cfg.requests is None and cfg.duration_s is None:
         raise ValueError("give a number of requests or a duration")
     policy_version = engine.check_version(None)
@@ -130,6 +136,7 @@ def run_simulation(
             break
         n = cfg.wave_size if cfg.requests is None else min(cfg.wave_size, cfg.requests - sent)
         wave_t = [_production_time(cfg, sent + i, elapsed) for i in range(n)]
+        wave_start = datetime.now(timezone.utc)
         episodes = [runner.new_episode(traffic.task_at(t), 0, _episode_seed(cfg.seed, sent + i)) for i, t in enumerate(wave_t)]
         try:
             # Traces name one model version: a deploy that refits the server mid-run ends the run.
@@ -139,14 +146,19 @@ def run_simulation(
             log(f"stopping: {stopped}")
             break
         wave = [trace_record(ep, model_version, verify) for ep in episodes]
-        files.append(write_traces(wave, landing_dir, prefix="simulator"))
+        if mlflow is not None:
+            wave = mlflow.log(wave, wave_start)
+            where = f"{len(wave)} MLflow traces"
+        else:
+            files.append(write_traces(wave, traces_to, prefix="simulator"))
+            where = files[-1].name
         records += wave
         times += wave_t
         sent += n
         fails = sum(r.outcome != "success" for r in wave)
-        log(f"t={wave_t[0]:.2f}-{wave_t[-1]:.2f}: {n} requests, {fails} failed -> {files[-1].name}")
+        log(f"t={wave_t[0]:.2f}-{wave_t[-1]:.2f}: {n} requests, {fails} failed -> {where}")
     result = SimulationResult(records, times, files, time.monotonic() - start, model_version, policy_version,
-                              stopped_early=stopped)
+                              stopped_early=stopped, traces_to="landing" if mlflow is None else f"mlflow:{traces_to.experiment}")
     result.failure_rate, result.by_family = failure_rates(records, times, cfg.windows)
     return result
 

@@ -80,13 +80,16 @@ def run_job(job: LearnerJob, log=print) -> dict:
     The process-group world must be initialised (`init_world`)."""
     t_start = time.perf_counter()
     inputs = _read_inputs(job)
+    t_read = time.perf_counter()
     latest = checkpoint.latest_complete(job.checkpoint_dir)
     if latest is not None and checkpoint.meta(latest).get("batch_id") == inputs.batch.batch_id:
         log(f"learner: checkpoint {latest.name} already holds batch {inputs.batch.batch_id}; not repeating the step")
         result = _reuse(job, inputs, latest)
-        return result | {"reused": True, "wall_seconds": time.perf_counter() - t_start}
+        wall = time.perf_counter() - t_start  # nothing trained: the recorded phases are the earlier run's
+        return result | {"reused": True, "wall_seconds": wall, "phase_seconds": {"read_inputs": t_read - t_start}}
 
     learner, start = _restore(job, inputs, latest)
+    t_restore = time.perf_counter()
     _log_start(log, job, inputs.batch, start)
     run_log = _open_run_log(job)
     step = learner.train_step(inputs.batch, _on_update(log, run_log))
@@ -95,8 +98,13 @@ def run_job(job: LearnerJob, log=print) -> dict:
 
     result = _step_result(job, inputs.batch, learner, start, step)
     meta = _checkpoint_meta(job, inputs.policy, learner, start, result)
+    t_save = time.perf_counter()
     ckpt = _save_and_export(job, inputs, learner, meta)
     result["wall_seconds"] = time.perf_counter() - t_start
+    # Where the step's wall time went (ops/bench/cycle.py): the forward/backward/optimizer time is
+    # the updates' step_seconds inside `train`; the rest of `train` is planning and per-update logging.
+    result["phase_seconds"] = {"read_inputs": t_read - t_start, "model_build_and_load": t_restore - t_read,
+                               "train": step.seconds, "save_and_export": time.perf_counter() - t_save}
     _close_run_log(run_log, inputs.batch, learner, start, ckpt)
     learner.router.close()
     return result

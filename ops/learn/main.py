@@ -132,12 +132,24 @@ def materialization_metadata(result: dict, job=None) -> dict:
             md[k] = m[k]
     if job is not None and job.mlflow_run_id:
         md["mlflow_run_id"] = job.mlflow_run_id
+    md.update(engine_metadata(result))
     if result.get("cycle") is not None:
         md["cycle"] = result["cycle"]
     if result.get("parent_data_version"):
         md[CONTINUES_FROM] = result["parent_data_version"]
     if result.get("tokens_per_expert") is not None:
         md["tokens_per_expert"] = {"raw_value": {"per_layer": result["tokens_per_expert"]}, "type": "json"}
+    return md
+
+
+def engine_metadata(result: dict) -> dict:
+    """The learner's engine compute (forward, backward and optimizer of each update this run made;
+    none when it reused a checkpoint) and where the rest of its wall time went."""
+    updates = [] if result.get("reused") else result.get("history") or []
+    md: dict = {"engine_seconds": float(sum(u.get("step_seconds") or 0.0 for u in updates))}
+    if result.get("phase_seconds") is not None:
+        phases = {k: round(v, 3) for k, v in result["phase_seconds"].items()}
+        md["learner_phase_seconds"] = {"raw_value": phases | {"total": round(result["wall_seconds"], 3)}, "type": "json"}
     return md
 
 

@@ -85,6 +85,10 @@ class DynamicBatch:
     informative_groups: int = 0
     exhausted: str | None = None  # why refilling stopped short of the target (None = target reached)
     seconds: float = 0.0
+    # Engine compute inside `seconds`: the engine's generation (policy episodes, reference rows)
+    # and the screening verification; the rest of `seconds` is choosing tasks and bookkeeping.
+    generation_seconds: float = 0.0
+    screening_seconds: float = 0.0
 
     @property
     def groups(self) -> int:
@@ -130,13 +134,14 @@ def sample_informative(
             del remaining[t.task_id]
         batch = generate_groups(engine, tokenizer, tasks, sampling, cycle=cycle, require_version=version,
                                 sampling_round=rnd)
+        out.generation_seconds += batch.seconds
         rows = batch.rows
-        rewards = screen(rows)
+        rewards = _timed(out, "screening_seconds", screen, rows)
         guided = _to_guide(tasks, rows, rewards, history, cfg.guide_after)
         if guided:
-            extra = reference_rows(engine, tokenizer, guided, sampling, cycle=cycle, policy_version=version,
-                                   sampling_round=rnd, samples=cfg.reference_samples)
-            rewards += screen(extra)
+            extra = _timed(out, "generation_seconds", reference_rows, engine, tokenizer, guided, sampling, cycle=cycle,
+                           policy_version=version, sampling_round=rnd, samples=cfg.reference_samples)
+            rewards += _timed(out, "screening_seconds", screen, extra)
             rows += extra
         informative = _informative_groups(rows, rewards)
         out.rows += rows
@@ -157,6 +162,15 @@ def sample_informative(
         out.exhausted = None
     out.seconds = time.monotonic() - start
     return out
+
+
+def _timed(out: DynamicBatch, field_name: str, fn: Callable, *args, **kwargs):
+    """fn(*args, **kwargs), its seconds added to out.<field_name> (engine time, kept apart)."""
+    t0 = time.monotonic()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        setattr(out, field_name, getattr(out, field_name) + time.monotonic() - t0)
 
 
 def _to_guide(tasks: list[Task], rows: list[dict], rewards: list[float | None], history: History,

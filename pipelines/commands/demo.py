@@ -1,4 +1,5 @@
-"""`perpetua demo [--cycles N] [--summary FILE]`: the main job on the embedded default."""
+"""`perpetua demo [--cycles N] [--summary FILE] [--db sqlite|postgres]`: the main job, on the embedded
+default (SQLite) or on a local PostgreSQL server (pipelines/commands/db.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,17 @@ def add_arguments(p) -> None:
     p.add_argument("--run-config", type=Path, metavar="FILE",
                    help="YAML or JSON run config per job, as in the Dagster launchpad: "
                         "{bootstrap: {ops: {base_policy: {config: {...}}}}, perpetua_cycle: {ops: {rollouts: {config: {...}}}}}")
+    p.add_argument("--traces", choices=("mlflow", "landing"), default="mlflow",
+                   help="where simulated production traffic goes: MLflow traces in the experiment (default), "
+                        "or trace files in PERPETUA_HOME/landing; the harvest reads both")
     p.add_argument("--automation", action=argparse.BooleanOptionalAction, default=True,
                    help="when done, switch the retraining sensor and the schedules on in the Dagster instance "
                         "(default on; the daemon of `dagster dev` then carries the loop on)")
+    p.add_argument("--db", choices=("sqlite", "postgres"),
+                   help="where the Dagster instance and MLflow keep their records: sqlite (embedded default) or postgres "
+                        "(a local PostgreSQL server under PERPETUA_HOME/postgres, port PERPETUA_PG_PORT, default 5433; "
+                        "it keeps running for `dagster dev` until `perpetua stop`). The home keeps the choice; "
+                        "default: what the home uses, sqlite for a new one")
 
 
 def run(args) -> int:
@@ -26,6 +35,9 @@ def run(args) -> int:
     from dagster import DagsterInvalidConfigError
 
     from ops.serving.vllm_server import VllmServerError
+    from ops.common.postgres import PostgresConfigError
+    from ops.serving.postgres_server import PostgresServerError
+    from pipelines.commands.db import choose_backend
 
     if args.cycles < 1:
         raise UserError("--cycles must be at least 1")
@@ -34,6 +46,7 @@ def run(args) -> int:
     from ops.common.paths import home
 
     run_config = read_run_config(args.run_config) if args.run_config else {}
+    choose_backend(home(), args.db)
     args.summary = args.summary or home().root / "demo-summary.json"
     try:
         args.summary.parent.mkdir(parents=True, exist_ok=True)
@@ -41,8 +54,8 @@ def run(args) -> int:
         raise UserError(f"cannot write the summary to {args.summary}: {e}") from None
     try:
         summary = run_demo(DemoConfig(cycles=args.cycles, traffic_per_cycle=args.traffic, summary=args.summary,
-                                          automation=args.automation, run_config=run_config))
-    except (MlflowServerError, VllmServerError) as e:  # a port taken, a server that cannot start
+                                          automation=args.automation, run_config=run_config, traces=args.traces))
+    except (MlflowServerError, VllmServerError, PostgresServerError, PostgresConfigError) as e:  # a port taken, a server that cannot start
         raise UserError(str(e)) from None
     except DagsterInvalidConfigError as e:
         raise UserError(f"--run-config {args.run_config}: {e}") from None

@@ -1,4 +1,5 @@
-"""`perpetua harvest [--json]`: one harvest of the landing zone through Dagster.
+"""`perpetua harvest [--json]`: one harvest of the landing zone and the project's MLflow traces
+through Dagster.
 
 Runs the `harvest` job (observe `production_traces`, materialize `harvested_failures`) in
 process against the project's Dagster instance (DAGSTER_HOME = PERPETUA_HOME/dagster), so the
@@ -23,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="V",
         help="A model version production may have served (repeatable; default: the MLflow registry).",
     )
-    parser.add_argument("--mlflow-experiment", action="append", default=[], metavar="NAME", help="Also harvest MLflow traces from NAME.")
+    parser.add_argument("--mlflow-experiment", action="append", default=[], metavar="NAME", help="Harvest MLflow traces from NAME (repeatable; default: the project's experiment, perpetua, when the store exists).")
     parser.add_argument("--mlflow-tracking-uri", default=None, help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else the running local MLflow server, else PERPETUA_HOME/mlflow).")
 
 
@@ -45,9 +46,10 @@ def run_harvest(config: dict | None = None, instance=None) -> dict:
 
     from assets.harvested_failures import harvested_failures
     from assets.production_traces import production_traces
+    from assets.resources import MlflowTracking
 
     job = dg.define_asset_job("harvest", selection=["production_traces", "harvested_failures"])
-    defs = dg.Definitions(assets=[production_traces, harvested_failures], jobs=[job])
+    defs = dg.Definitions(assets=[production_traces, harvested_failures], jobs=[job], resources={"mlflow": MlflowTracking()})
     run_config = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
     if config:
         run_config["ops"] = {"harvested_failures": {"config": config}}

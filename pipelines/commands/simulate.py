@@ -1,5 +1,6 @@
-"""`perpetua simulate [--requests N] [--duration S] [--json]`: production traffic against the
-served champion; traces go to PERPETUA_HOME/landing/ (ops.harvest.simulator).
+"""`perpetua simulate [--requests N] [--duration S] [--traces landing|mlflow] [--json]`:
+production traffic against the served champion; traces go to PERPETUA_HOME/landing/, or with
+`--traces mlflow` to MLflow traces in the project's experiment (ops.harvest.simulator).
 
 The champion is served by the local vLLM server (ops.serving.vllm_server, reused when one is
 healthy). Which weights: `--model-dir DIR`, else the registry's `champion` alias (MLflow at
@@ -31,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wave-size", type=int, default=16, help="Concurrent requests per wave.")
     parser.add_argument("--seed", type=int, default=0, help="Traffic seed.")
     parser.add_argument("--temperature", type=float, default=0.0, help="Serving temperature.")
+    parser.add_argument("--traces", choices=("landing", "mlflow"), default="landing",
+                        help="Where traces go: files in PERPETUA_HOME/landing (default) or MLflow traces in --experiment.")
+    parser.add_argument("--experiment", default="perpetua", help="MLflow experiment of the traces (with --traces mlflow).")
     parser.add_argument("--stop-server", action="store_true", help="Stop the vLLM server afterwards.")
 
 
@@ -54,6 +58,20 @@ def champion(h, model_name: str) -> tuple[Path, str] | None:
     return registry.model_dir(uri, model_name, version, dst=h.models / "served" / f"{model_name}-v{version}"), version
 
 
+def mlflow_sink(h, experiment: str, model_name: str, registry_version: str | None):
+    """MLflow traces in `experiment` of this home's store, linked to the served version's LoggedModel when known."""
+    from ops.common.tracking import TrackingError, tracking_uri
+    from ops.deploy import registry
+    from ops.harvest.mlflow_sink import MlflowTraceSink
+
+    try:
+        uri = tracking_uri(h=h)
+    except TrackingError as e:
+        raise UserError(str(e)) from None
+    model_id = registry.version_model_id(uri, model_name, registry_version) if registry_version else None
+    return MlflowTraceSink(tracking_uri=uri, experiment=experiment, model_id=model_id)
+
+
 def run(args: argparse.Namespace) -> int:
     from ops.policy import tokenizer as tok_lib
     from ops.common.paths import home
@@ -70,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--wave-size must be at least 1")
     h = home().ensure()
     trace_version = args.model_version
+    registry_version = None
     if args.model_dir is not None:
         model_dir = Path(args.model_dir).resolve()
         if not (model_dir / "config.json").exists():
@@ -90,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         duration_s=args.duration, wave_size=args.wave_size, seed=args.seed, temperature=args.temperature,
         model_version=trace_version,
     )  # fmt: skip
+    traces_to = h.landing if args.traces == "landing" else mlflow_sink(h, args.experiment, args.model_name, registry_version)
     try:
         server = vllm_server.start(model_dir, port=args.port, h=h)
     except vllm_server.VllmServerError as e:
@@ -102,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                 info = engine.load_weights(model_dir, want)
                 log(f"refit the server to policy version {want} in {info.seconds:.2f} s")
             tokenizer = tok_lib.load_hf_tokenizer(model_dir)
-            result = run_simulation(engine, tokenizer, h.landing, cfg, log=log)
+            result = run_simulation(engine, tokenizer, traces_to, cfg, log=log)
     except RolloutEngineError as e:
         raise UserError(f"simulation failed: {e}") from None
     finally:
@@ -112,8 +132,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(out)
     else:
+        where = h.landing if args.traces == "landing" else f"MLflow experiment {args.experiment!r} ({traces_to.tracking_uri})"
         print(f"{out['requests']} requests in {out['seconds']:.1f} s against {server.url} (model version {result.model_version}); "
-              f"outcomes {out['outcomes']}; traces in {h.landing}")
+              f"outcomes {out['outcomes']}; traces in {where}")
         print("failure rate by family over production time (requests):")
         print(format_report(result))
     return 0
