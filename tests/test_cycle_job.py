@@ -104,7 +104,7 @@ def test_one_cycle_through_dagster(perpetua_home, base_policy_dir, monkeypatch):
             assert report["mlflow_eval_datasets"]["deciding"]["name"] == "perpetua/deciding/v1"
             for role, run_id in report["mlflow_evaluation_runs"].items():
                 run = c.get_run(run_id)
-                assert run.data.tags["mlflow.parentRunId"] == eval_run.info.run_id and run.data.tags["perpetua.eval_role"] == role
+                assert run.data.tags["perpetua.parent_run"] == eval_run.info.run_id and run.data.tags["perpetua.eval_role"] == role
                 assert {i.dataset.name for i in run.inputs.dataset_inputs} == {d["name"] for d in report["mlflow_eval_datasets"].values()}
             model = c.get_logged_model(report["mlflow_logged_model_id"])
             assert model.name == "policy-v1" and any(m.key == "deciding.pass_at_1" for m in model.metrics)

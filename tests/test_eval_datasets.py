@@ -83,7 +83,8 @@ def test_eval_sets_become_datasets_and_policies_evaluation_runs(store):
         assert run.info.status == "FINISHED" and run.info.run_name == f"cycle-3/{role}-v{ev.policy_version}"
         tags = run.data.tags
         assert tags["mlflow.runType"] == "genai_evaluate" and tags[ed.TAG_ROLE] == role
-        assert tags[tracking.TAG_PARENT] == stage.run_id and tags[tracking.TAG_CYCLE] == "3"
+        # Top-level (MLflow's Evaluation runs view lists those only), naming the evaluate run it belongs to.
+        assert tracking.TAG_PARENT not in tags and tags[tracking.TAG_STAGE_PARENT] == stage.run_id and tags[tracking.TAG_CYCLE] == "3"
         assert tags["dagster.run_id"] == "dg-run-7" and tags["dagster.asset_key"] == "eval_report"
         assert {(i.dataset.name, i.dataset.digest, {t.key: t.value for t in i.tags}["mlflow.data.context"])
                 for i in run.inputs.dataset_inputs} == {(d.name, d.digest, s) for s, d in datasets.items()}

@@ -248,10 +248,31 @@ def mlflow_traffic(perpetua_home, monkeypatch):
         verdicts.mark_harvested(server.url, result.mlflow_failures, result.generation, links)
         fixed = result.mlflow_failures[0]
         verdicts.mark_fixed(server.url, "perpetua", [fixed["task_id"]], "2", links, "solves it on the harvested slice")
-        yield server.url, records, result
+        yield server.url, records, result, _evaluation(server.url)
     finally:
         mlflow.set_tracking_uri(None)
         mlflow_server.stop(h)
+
+
+def _evaluation(uri: str) -> dict:
+    """A cycle's eval as eval_report logs it: the eval sets as datasets, an evaluation run per policy."""
+    from test_eval_datasets import DAGSTER, _policy
+
+    from ops.common import tracking
+    from ops.evaluate import mlflow_datasets as ed
+    from ops.tasks import task_world
+    from ops.tasks.training_tasks import eval_tasks
+
+    sets = {"deciding": eval_tasks(task_world.DRIFT_FAMILIES[:2], 4), "guard": eval_tasks(task_world.BOOTSTRAP_FAMILIES[:1], 3)}
+    parent = tracking.start_cycle_run(uri, "perpetua", cycle=3, tags=DAGSTER)
+    with tracking.stage_run(uri, parent, "evaluate", tags=DAGSTER) as stage:
+        models = {"candidate": stage.log_checkpoint("policy-v2", step=3), "champion": None}
+        datasets = ed.ensure_datasets(uri, stage.experiment_id, sets, DAGSTER)
+        evals = {"candidate": _policy(2, sets, lambda t: True),
+                 "champion": _policy(1, sets, lambda t: t.family == task_world.DRIFT_FAMILIES[0])}
+        runs = {role: ed.log_evaluation_run(uri, ed.EvalRunSpec(role, 3, stage.run_id, models[role], DAGSTER), ev, datasets, sets)
+                for role, ev in evals.items()}
+    return {"experiment": stage.experiment_id, "datasets": datasets, "runs": runs}
 
 
 def test_mlflow_ui_shows_production_traces_with_the_loop_verdicts(mlflow_traffic, tmp_path):
@@ -259,7 +280,9 @@ def test_mlflow_ui_shows_production_traces_with_the_loop_verdicts(mlflow_traffic
 
     from ops.common import tracking
 
-    url, records, result = mlflow_traffic
+    from ops.evaluate import mlflow_datasets as ed
+
+    url, records, result, evaluation = mlflow_traffic
     experiment = tracking.client(url).get_experiment_by_name("perpetua").experiment_id
     shots = tmp_path / "ui"
     shots.mkdir()
@@ -292,4 +315,20 @@ def test_mlflow_ui_shows_production_traces_with_the_loop_verdicts(mlflow_traffic
         expect(panel.get_by_text("perpetua.harvester", exact=True).first).to_be_visible()
         expect(panel.get_by_text("harvested as a wrong_answer failure", exact=False).first).to_be_visible()
         page.screenshot(path=str(shots / "mlflow-trace.png"))
+
+        # The eval sets as evaluation datasets, and candidate vs champion as evaluation runs on them.
+        page.goto(tracking.experiment_page_url(url, experiment, "datasets"))
+        for d in evaluation["datasets"].values():
+            expect(page.get_by_text(d.name, exact=True).first).to_be_visible(timeout=60_000)
+        page.screenshot(path=str(shots / "mlflow-datasets.png"))
+        page.goto(tracking.experiment_page_url(url, experiment, "evaluation-runs"))
+        for name in ("cycle-3/candidate-v2", "cycle-3/champion-v1", "deciding.pass_at_1"):
+            expect(page.get_by_text(name, exact=True).first).to_be_visible(timeout=60_000)
+        page.screenshot(path=str(shots / "mlflow-evaluation-runs.png"))
+        runs = evaluation["runs"]  # the link eval_report's materialization carries: candidate compared to champion
+        page.goto(ed.evaluation_runs_url(url, evaluation["experiment"], runs["candidate"], runs["champion"]))
+        page.reload()  # a hash change within the same view keeps the old selection
+        expect(page.get_by_text("Comparing", exact=False).first).to_be_visible(timeout=60_000)
+        for name in ("cycle-3/candidate-v2", "cycle-3/champion-v1"):
+            expect(page.get_by_text(name, exact=True).first).to_be_visible()
     check_and_keep(shots)

@@ -58,6 +58,7 @@ TAG_DAGSTER_RUN = "dagster.run_id"  # the Dagster run, on MLflow runs and on the
 TAG_DAGSTER_ASSET = "dagster.asset_key"
 TAG_DAGSTER_PARTITION = "dagster.partition"
 TAG_PARENT = "mlflow.parentRunId"
+TAG_STAGE_PARENT = "perpetua.parent_run"  # on runs kept top-level that belong under another run
 
 
 class TrackingError(ValueError):
@@ -372,9 +373,12 @@ def stage_run(
     stage: str,
     tags: Mapping[str, Any] | None = None,
     params: Mapping[str, Any] | None = None,
+    nested: bool = True,
 ) -> Iterator[RunLog]:
     """A nested run for one stage under the cycle's parent run: FINISHED on success, FAILED
-    (and the exception re-raised) otherwise.
+    (and the exception re-raised) otherwise. `nested=False`: a top-level run that names the
+    parent in the tag `perpetua.parent_run` instead (MLflow's Evaluation runs view lists
+    top-level runs only).
 
     Param names the stages share, so runs compare across cycles: `policy_version_in`,
     `policy_version_out`, `verifier_versions.<verifier>`, `config.<field>` (nested dicts are
@@ -383,7 +387,7 @@ def stage_run(
     c = client(tracking_uri)
     parent = c.get_run(parent_run_id)
     all_tags = {
-        TAG_PARENT: parent_run_id,
+        (TAG_PARENT if nested else TAG_STAGE_PARENT): parent_run_id,
         TAG_KIND: "stage",
         TAG_STAGE: stage,
         **({TAG_CYCLE: parent.data.tags[TAG_CYCLE]} if TAG_CYCLE in parent.data.tags else {}),

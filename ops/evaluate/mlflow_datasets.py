@@ -9,13 +9,15 @@ tags `{task_id, family}`. Records go in through `mlflow.genai.datasets` (`merge_
 upserts on the inputs; a task id is the hash of its question, so a set merged again gains nothing.
 A version whose recorded count matches is not merged again.
 
-Evaluation runs: one per policy and cycle, nested under the cycle's `evaluate` stage run, tagged
+Evaluation runs: one per policy and cycle, top-level runs that name the cycle's `evaluate` stage
+run in the tag `perpetua.parent_run` (the view below lists top-level runs only), tagged
 `mlflow.runType = genai_evaluate` (what `mlflow.genai.evaluate` sets) and with the Dagster run
 and asset. Inputs: the datasets (input context = the set) and the policy's LoggedModel when it
 has one. Metrics per set at step = cycle, attached to the model and to the dataset. Per-task
 results: one table artifact per set, `eval_results/<set>.json`. MLflow's Evaluation runs view
-lists the experiment's runs that output no model, grouped by input dataset: candidate and
-champion of a cycle appear there under the same dataset versions, with the same metric names.
+lists the experiment's top-level runs that output no model, grouped by input dataset: candidate
+and champion of a cycle appear there under the same dataset versions, with the same metric names.
+(The cycle's parent run outputs no model either, so it is listed there too, without a dataset.)
 
 Why not `mlflow.genai.evaluate`: it generates and scores through the fluent API, one trace per
 row from a thread pool; on the SQLite store 300 precomputed rows took about 10 minutes and lost
@@ -162,7 +164,7 @@ def log_evaluation_run(uri: str, spec: EvalRunSpec, ev: PolicyEval, datasets: Ma
             tracking.TAG_POLICY_VERSION: str(ev.policy_version), MLFLOW_RUN_TYPE: MLFLOW_RUN_TYPE_GENAI_EVALUATE,
             **({TAG_MODEL_ID: spec.model_id} if spec.model_id else {}), **(spec.tags or {})}
     name = f"cycle-{spec.cycle}/{spec.role}-v{ev.policy_version}"
-    with tracking.stage_run(uri, spec.parent_run_id, name, tags=tags,
+    with tracking.stage_run(uri, spec.parent_run_id, name, tags=tags, nested=False,
                             params={"policy_version": ev.policy_version, "role": spec.role}) as log:
         # The dataset as MLflow's own evaluation logs it (source type mlflow_evaluation_dataset).
         with tracking.fluent_uri(uri):
