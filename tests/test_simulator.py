@@ -6,6 +6,7 @@ Unit checks of the drift mix and the report run without an engine."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 from ops.tasks import task_world
@@ -43,17 +44,13 @@ def test_failure_rates_by_window():
 
 
 def test_simulate_command_against_real_server(perpetua_home, base_policy_dir, capsys, monkeypatch):
-    import mlflow
-
     from ops.common import tracking
     from ops.serving import vllm_server
     from pipelines.cli import main
 
     port = _free_port()
-    # The MLflow run below points this process's tracer at the home's store; monkeypatch puts
-    # MLFLOW_TRACKING_URI back afterwards.
-    uri = tracking.local_store(perpetua_home / "mlflow")[0]
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = tracking.local_store(perpetua_home / "mlflow")[0]  # where --traces mlflow goes in a home without a server
     try:
         code = main(["simulate", "--model-dir", str(base_policy_dir), "--requests", "48", "--wave-size", "16",
                      "--port", str(port), "--json"])  # fmt: skip
@@ -63,7 +60,7 @@ def test_simulate_command_against_real_server(perpetua_home, base_policy_dir, ca
         mlflow_out = json.loads(capsys.readouterr().out)
     finally:
         vllm_server.stop(port)
-        mlflow.set_tracking_uri(None)
+    assert "MLFLOW_TRACKING_URI" not in os.environ  # the tracer's process-wide URI was borrowed, then given back
     # With --traces mlflow the same episodes are MLflow traces in the project's experiment, each
     # read back by the contract's MLflow mapping; failures carry the production check's verdict.
     assert to_mlflow == 0 and mlflow_out["traces_to"] == "mlflow:perpetua" and mlflow_out["landing_files"] == []

@@ -222,12 +222,11 @@ def test_dagster_ui_shows_the_graph_the_sensor_and_a_materialization(webserver, 
 
 
 @pytest.fixture
-def mlflow_traffic(perpetua_home, monkeypatch):
+def mlflow_traffic(perpetua_home):
     """The project's MLflow server on a free port, holding production traces as the demo logs
     them, harvested once (so the harvester's verdicts are on them) and one marked fixed."""
     from datetime import datetime, timezone
 
-    import mlflow
     from test_mlflow_traces import _episode_records
 
     from ops.common.paths import home
@@ -239,7 +238,6 @@ def mlflow_traffic(perpetua_home, monkeypatch):
 
     h = home()
     server = mlflow_server.start(h, port=free_port())
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url)  # the tracer exports to the process-wide URI
     try:
         records = TraceLogger(MlflowTraceSink(tracking_uri=server.url)).log(_episode_records(), started=datetime.now(timezone.utc))
         result = harvest(HarvestConfig(known_model_versions=frozenset({"1"}),
@@ -250,7 +248,6 @@ def mlflow_traffic(perpetua_home, monkeypatch):
         verdicts.mark_fixed(server.url, "perpetua", [fixed["task_id"]], "2", links, "solves it on the harvested slice")
         yield server.url, records, result, _evaluation(server.url)
     finally:
-        mlflow.set_tracking_uri(None)
         mlflow_server.stop(h)
 
 

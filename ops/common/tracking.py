@@ -141,17 +141,6 @@ def client(uri: str | None = None):
     return _client(tracking_uri() if uri is None else check_tracking_uri(uri))
 
 
-def trace_to(uri: str) -> None:
-    """Send this process's MLflow traces to `uri`. MLflow's tracer exports to the process-wide
-    tracking URI (there is no per-client destination), so this sets it, and with it env
-    MLFLOW_TRACKING_URI: callers are processes that already work against this one store (the
-    demo, `perpetua simulate`, a harvest)."""
-    import mlflow
-
-    if mlflow.get_tracking_uri() != uri or os.environ.get(ENV_TRACKING_URI) != uri:
-        mlflow.set_tracking_uri(check_tracking_uri(uri))
-
-
 def log_feedback(uri: str, trace_id: str, name: str, value: Any, source_id: str, rationale: str | None = None,
                  metadata: Mapping[str, str] | None = None) -> None:
     """A feedback assessment on a trace, judged by code (`source_id`), written to `uri`. MLflow's

@@ -55,7 +55,6 @@ class TraceLogger:
 
         self.sink = sink
         self.client = tracking.client(sink.tracking_uri)
-        tracking.trace_to(sink.tracking_uri)
         self.experiment_id = tracking.ensure_experiment(sink.tracking_uri, sink.experiment)
         self._mlflow = mlflow
         self._last_ms = 0
@@ -63,8 +62,12 @@ class TraceLogger:
     def log(self, records: Sequence[TraceRecord], started: datetime) -> list[TraceRecord]:
         """Log `records` (episodes that ran from `started` to their timestamps); returns them
         with `trace_id` set to the MLflow trace id, as the harvester will read them back."""
-        out = [self._log_one(r, started) for r in records]
-        self._mlflow.flush_trace_async_logging()  # a harvest right after must see them
+        # MLflow's tracer exports to the process-wide URI: borrow it for the block, and flush
+        # inside it (a harvest right after must see the traces, and the export must not outlive
+        # the borrowed URI).
+        with tracking.fluent_uri(self.sink.tracking_uri):
+            out = [self._log_one(r, started) for r in records]
+            self._mlflow.flush_trace_async_logging()
         for r in out:
             if r.outcome == "failure":
                 tracking.log_feedback(self.sink.tracking_uri, r.trace_id, self.sink.feedback_name, False, self.sink.source_id,
