@@ -9,7 +9,9 @@ its own process (`execute_in_process`), which does not pass through the instance
 the demo is one process and runs its cycles one after the other, and while one runs the
 retraining sensor sees it in progress and requests no other (pipelines/instance.py). Cycles are numbered after
 the ones already in the Dagster instance, and harvesting is incremental, so an interrupted demo
-can be run again without losing or duplicating anything. What it started, it stops, but for a
+can be run again without losing or duplicating anything. After each cycle it prints where the
+cycle's wall time went, engine compute against everything else per stage (ops/bench/cycle.py,
+from the run's events), and logs it on the cycle's MLflow run. What it started, it stops, but for a
 home's PostgreSQL server (`--db postgres`): the instance's storage, which `dagster dev` needs
 after the demo, runs until `perpetua stop`. Last, it
 switches the retraining sensor and the schedules on in the instance (pipelines/automation.py),
@@ -37,6 +39,8 @@ from ops.tasks import task_world
 from ops.common import tracking
 from ops.common.paths import Home, home
 from ops.harvest.mlflow_sink import MlflowTraceSink
+from ops.bench.cycle import compact_line, mlflow_metrics
+from pipelines.cycle_timing import run_breakdown
 
 
 @dataclass
@@ -68,12 +72,12 @@ def previous_cycles(instance) -> int:
 
 def ensure_champion(uri: str, production, log: Callable[[str], None]) -> str:
     """Serve the champion; when nothing is deployed yet, deploy the base policy as the first."""
-    from ops.deploy.deploy import deploy_policy
+    from ops.deploy.deploy import deploy_policy, reconcile_champion
 
     name = policies.REGISTERED_MODEL
-    current = registry.aliases(uri, name, missing_ok=True).champion
+    current = reconcile_champion(uri, production.serve, name)  # the server serves what the alias names
     if current is not None:
-        return deploy_policy(uri, production.serve, registry_version=current).registry_version
+        return current.registry_version
     first = deploy_policy(uri, production.serve, policy_version=0, tags={tracking.TAG_CYCLE: 0})
     log(f"deployed the base policy as champion (registry v{first.registry_version})")
     return first.registry_version
@@ -135,6 +139,16 @@ def print_row(row: dict) -> None:
             print(f"  gate {reason.lstrip('- ')}", flush=True)
     if row["run_outcome"] == "failed":
         print(f"  the run failed: {row['run_error']} (Dagster run {row['dagster_run_id']})", flush=True)
+    if row.get("breakdown"):
+        print(compact_line(row["breakdown"]), flush=True)
+
+
+def record_breakdown(instance, uri: str, row: dict, cycle_wall: float, traffic_s: float) -> dict:
+    """Where the cycle's wall time went (ops/bench/cycle.py), from its run's events, logged on the
+    cycle's MLflow run; `traffic_s` (the production traffic before it) is outside the cycle."""
+    breakdown = run_breakdown(instance, row["dagster_run_id"], cycle_wall) | {"traffic_s": round(traffic_s, 3)}
+    tracking.RunLog(uri, row["mlflow_run_id"]).log_metrics(mlflow_metrics(breakdown), step=row["cycle"])
+    return breakdown
 
 
 def print_failure_rates(rates: list[dict], families: list[str]) -> None:
@@ -223,6 +237,7 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
             champion = registry.champion_version(uri, policies.REGISTERED_MODEL)
             traffic = production_traffic(production, champion, settings.traffic_per_cycle, lo, hi, seed=cycle,
                                          traces_to=traces_to(champion))
+            launched_at = time.monotonic()
             record_traffic(cycle, traffic)
             log(f"cycle {cycle}: {traffic['requests']} production requests (drift t {lo:.2f}-{hi:.2f}), "
                 f"failure rate {traffic['overall_failure_rate']:.2f}")
@@ -232,9 +247,11 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
                     instance=instance, tags={CYCLE_TAG: str(cycle), TRIGGER_TAG: "demo", **parent.tags},
                     run_config=job_run_config(settings, CYCLE_JOB), raise_on_error=False)
                 parent.finish(result)
+            cycle_wall = time.monotonic() - launched_at
             row = cycle_row(cycle, result, traffic, parent.run_id, time.monotonic() - t0)
             if row["run_outcome"] == "interrupted":  # Dagster caught the Ctrl-C and failed the run
                 raise KeyboardInterrupt
+            row["breakdown"] = record_breakdown(instance, uri, row, cycle_wall, launched_at - t0)
             rows.append(row)
             print_row(row)
         champion = registry.champion_version(uri, policies.REGISTERED_MODEL)

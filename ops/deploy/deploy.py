@@ -117,6 +117,18 @@ def deploy_policy(
     return Deployed(version, served[0], state.previous, registered)
 
 
+def reconcile_champion(tracking_uri: str, serve: Serve, name: str = REGISTERED_MODEL, h: Home | None = None) -> Deployed | None:
+    """Make the production server serve what the registry's `champion` alias names (None when
+    nothing is deployed). The alias is the deploy's commit point: a deploy killed after the refit
+    and before the alias moved leaves the server on a candidate the registry never made champion;
+    this refits it back (a no-op refit when they agree). Called whenever production is started
+    or taken over (the demo; `perpetua simulate` serves the champion's weights the same way)."""
+    champion = registry.aliases(tracking_uri, name, missing_ok=True).champion
+    if champion is None:
+        return None
+    return deploy_policy(tracking_uri, serve, registry_version=champion, name=name, h=h)
+
+
 def rollback_policy(tracking_uri: str, serve: Serve, name: str = REGISTERED_MODEL, h: Home | None = None) -> Deployed:
     """Deploy the previous champion again: the aliases swap, so a second rollback undoes the first."""
     before = registry.aliases(tracking_uri, name)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 from urllib.parse import unquote, urlparse
 
+from ops.common import faults
 from ops.common.tracking import TAG_MODEL_ID, TAG_POLICY_VERSION, client, ensure_experiment
 
 CHAMPION = "champion"
@@ -229,6 +230,7 @@ def _refit_then_promote(tracking_uri: str, name: str, target: str, refit: Refit 
                 f"{what} of {name} v{target}: refit failed ({type(e).__name__}: {e}); "
                 f"registry unchanged, champion is still v{before.champion}"
             ) from e
+    faults.point(faults.DEPLOY_AFTER_REFIT)  # a kill here is undone by reconcile_champion at the next start
     try:
         return promote(tracking_uri, name, target)
     except Exception as e:

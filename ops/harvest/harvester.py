@@ -42,6 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field
 
+from ops.common import faults
 from ops.common.paths import Home, home as default_home
 from ops.harvest.classify import HarvestBatch, HarvestCounts
 from ops.harvest.failures import HARVESTED_FAILURES, batch_path, failures_dir, failures_path, failures_version, merge_failures, write_failures
@@ -242,6 +243,7 @@ def _commit(h: Home, state: Path, gen: int, new_cursor: dict, batch: HarvestBatc
     write_failures(merged, out)
     write_seen(state, gen, batch.all_seen())
     qpath = batch.commit_quarantine(h.quarantine / f"harvest-{gen:06d}.jsonl")
+    faults.point(faults.HARVEST_BEFORE_CURSOR)
     write_cursor(state, new_cursor)
     prune(gen, [(failures_dir(h), "failures-*.parquet"), (state, "seen-*.npy")])
     new_sigs = len(set(batch_table["signature"].to_pylist()) - set(prev["signature"].to_pylist()))

@@ -1,0 +1,26 @@
+"""Fault points: named places in the writes that matter where a test can have the process killed.
+
+A crash can land anywhere; the places where it does the most harm are between two writes that
+must agree (a harvest's failures table and its cursor, a deploy's server refit and its alias
+move). Each such place calls `point(name)`; when env PERPETUA_FAULT names it, the process
+SIGKILLs itself there, exactly as an OOM killer or a power cut would (no cleanup, no finally).
+The fault-injection tests (tests/test_faults.py) run a stage in a subprocess with the variable
+set, then check that a rerun, or the next start, leaves everything consistent. Unset (always, in
+production), a point costs one environment lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "PERPETUA_FAULT"
+
+HARVEST_BEFORE_CURSOR = "harvest.before_cursor"  # the generation's tables are written, the cursor not yet
+DEPLOY_AFTER_REFIT = "deploy.after_refit"  # the server serves the new version, the champion alias is not moved yet
+
+
+def point(name: str) -> None:
+    """SIGKILL this process here when env PERPETUA_FAULT is `name`."""
+    if os.environ.get(ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,96 @@
+"""Fault injection: a stage SIGKILLed between two writes that must agree (ops/common/faults.py),
+then rerun or reconciled, leaves nothing lost, nothing counted twice and no disagreement.
+
+Each kill is real: the stage runs in a subprocess with PERPETUA_FAULT naming the point, and the
+process dies there with SIGKILL (no finally, no cleanup). The harvest runs on real landing files;
+the deploy on a real SQLite MLflow registry with a stand-in server (a file holding the policy
+version it serves), since what is checked is the registry/server agreement, not vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from test_eval_deploy import _export
+from test_harvest import rec
+
+from ops.common import faults, tracking
+from ops.common.paths import home
+from ops.deploy import deploy, registry
+from ops.harvest.contract import write_traces
+from ops.harvest.failures import failures_path, read_failures
+from ops.harvest.harvester import HarvestConfig, harvest
+from ops.harvest.state import load_cursor, state_dir
+from ops.policy import versions as policies
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _killed_at(point: str, code: str) -> None:
+    """Run `code` in a fresh interpreter with the fault point armed; it must die by SIGKILL there."""
+    env = {**os.environ, faults.ENV: point, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == -signal.SIGKILL, (done.returncode, done.stderr[-3000:])
+
+
+def test_harvest_killed_between_its_tables_and_its_cursor_loses_and_repeats_nothing(perpetua_home):
+    records = [rec(i, "failure" if i % 3 else "success") for i in range(30)] + [{**rec(99), "question": ""}]
+    write_traces(records[:20], home().landing)
+    (home().landing / "late.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[20:]))
+    failures = {r["trace_id"] for r in records[:30] if r["outcome"] == "failure"}
+
+    _killed_at(faults.HARVEST_BEFORE_CURSOR,
+               "from ops.harvest.harvester import HarvestConfig, harvest\n"
+               "harvest(HarvestConfig(known_model_versions=frozenset({'1', '2'})))")
+    # Killed with generation 1's tables on disk and the cursor still at generation 0.
+    assert failures_path(home(), 1).exists() and load_cursor(state_dir(home()))["generation"] == 0
+    # The rerun reads everything again (the cursor never moved) and counts each record once.
+    again = harvest(HarvestConfig(known_model_versions=frozenset({"1", "2"})))
+    c = again.counts
+    assert (c.read, c.harvested, c.successes_skipped, c.quarantined, c.duplicates) == (31, len(failures), 10, 1, 0)
+    assert c.conserved and again.generation == 1
+    ids = [t for row in read_failures().to_pylist() for t in row["trace_ids"]]
+    assert sorted(ids) == sorted(failures)  # every failure once
+    assert len(again.quarantine_path.read_text().splitlines()) == 1  # the bad record quarantined once
+    assert harvest(HarvestConfig(known_model_versions=frozenset({"1", "2"}))).counts.read == 0
+
+
+def test_deploy_killed_between_refit_and_alias_is_reconciled_at_the_next_start(perpetua_home, tmp_path):
+    uri, name = tracking.local_store(home().mlflow)[0], policies.REGISTERED_MODEL
+    served = tmp_path / "served"
+
+    def serve(model_dir: Path) -> int:  # the stand-in server: refit = record the version it serves
+        version = json.loads((Path(model_dir) / "config.json").read_text())["perpetua_policy_version"]
+        served.write_text(str(version))
+        return version
+
+    for v in (0, 1):
+        _export(v)
+    assert deploy.deploy_policy(uri, serve, policy_version=0).registry_version == "1"
+
+    _killed_at(faults.DEPLOY_AFTER_REFIT, f"""
+import json
+from pathlib import Path
+from ops.deploy import deploy
+def serve(model_dir):
+    version = json.loads((Path(model_dir) / "config.json").read_text())["perpetua_policy_version"]
+    Path({str(served)!r}).write_text(str(version))
+    return version
+deploy.deploy_policy({uri!r}, serve, policy_version=1)
+""")
+    # Killed after the refit: the server serves policy 1, the registry's champion is still v1 (policy 0).
+    assert served.read_text() == "1"
+    assert registry.aliases(uri, name).champion == "1" and deploy.registered_version(uri, 1) == "2"
+
+    fixed = deploy.reconcile_champion(uri, serve)  # what the next start does
+    assert (fixed.registry_version, fixed.policy_version, served.read_text()) == ("1", 0, "0")
+    assert registry.aliases(uri, name).champion == "1"  # the registry was right; the server follows it
+    # Deploying again completes the deploy with the version the killed attempt registered.
+    done = deploy.deploy_policy(uri, serve, policy_version=1)
+    assert (done.registry_version, done.registered, done.policy_version, served.read_text()) == ("2", False, 1, "1")
+    assert registry.aliases(uri, name).champion == "2"
