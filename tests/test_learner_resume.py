@@ -7,6 +7,7 @@ re-run of a finished step does not train again."""
 from __future__ import annotations
 
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -66,7 +67,8 @@ def all_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 def test_killed_step_resumes_from_last_complete_checkpoint(tmp_path):
     from ops.policy.checkpoint import latest_complete, meta
-    from ops.learn.job import CRASH_AFTER_UPDATE, CRASH_BEFORE_COMMIT, CRASH_EXIT_CODE, run_job
+    from ops.common import faults
+    from ops.learn.job import run_job
     from ops.learn.world import init_world
 
     base = random_policy(tmp_path / "base", seed=99)
@@ -85,14 +87,14 @@ def test_killed_step_resumes_from_last_complete_checkpoint(tmp_path):
     resumed = tmp_path / "resumed"
     shutil.copytree(straight / "learner" / "step-000001", resumed / "learner" / "step-000001")
     job2 = job_for(resumed, base, data, 2)
-    p = run_process(job2, tmp_path / "job2.json", **{CRASH_AFTER_UPDATE: "1"})
-    assert p.returncode == CRASH_EXIT_CODE, p.stderr[-3000:]
+    p = run_process(job2, tmp_path / "job2.json", **{faults.ENV: f"{faults.LEARNER_AFTER_UPDATE}.1"})
+    assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
     assert "update 1 " in p.stdout and "update 2 " not in p.stdout  # died between the two updates
     assert sorted(x.name for x in (resumed / "learner").iterdir()) == ["step-000001"]
     assert not (resumed / "policy").exists()
 
-    p = run_process(job2, tmp_path / "job2.json", **{CRASH_BEFORE_COMMIT: "1"})
-    assert p.returncode == CRASH_EXIT_CODE, p.stderr[-3000:]
+    p = run_process(job2, tmp_path / "job2.json", **{faults.ENV: faults.LEARNER_BEFORE_COMMIT})
+    assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
     partial = resumed / "learner" / "step-000002.partial"
     assert partial.is_dir() and any(partial.glob("*.distcp")) and not (partial / "COMPLETE").exists()
     assert latest_complete(resumed / "learner").name == "step-000001"  # the .partial is never picked up

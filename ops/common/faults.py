@@ -4,7 +4,7 @@ A crash can land anywhere; the places where it does the most harm are between tw
 must agree (a harvest's failures table and its cursor, a deploy's server refit and its alias
 move). Each such place calls `point(name)`; when env PERPETUA_FAULT names it, the process
 SIGKILLs itself there, exactly as an OOM killer or a power cut would (no cleanup, no finally).
-The fault-injection tests (tests/test_faults.py) run a stage in a subprocess with the variable
+The fault-injection tests (tests/test_faults.py, tests/test_learner_resume.py) run a stage in a subprocess with the variable
 set, then check that a rerun, or the next start, leaves everything consistent. Unset (always, in
 production), a point costs one environment lookup.
 """
@@ -18,6 +18,8 @@ ENV = "PERPETUA_FAULT"
 
 HARVEST_BEFORE_CURSOR = "harvest.before_cursor"  # the generation's tables are written, the cursor not yet
 DEPLOY_AFTER_REFIT = "deploy.after_refit"  # the server serves the new version, the champion alias is not moved yet
+LEARNER_AFTER_UPDATE = "learner.after_update"  # + ".<k>": after the step's k-th optimizer update
+LEARNER_BEFORE_COMMIT = "learner.before_commit"  # checkpoint tensors written, COMPLETE marker not yet
 
 
 def point(name: str) -> None:

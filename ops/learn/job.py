@@ -14,8 +14,8 @@ complete checkpoint as it was, so the re-run starts from it and reproduces the s
 the newest checkpoint already holds this very batch (same batch id), the step is not repeated:
 the export is completed if needed and the same result is reported again.
 
-Test hooks (environment): PERPETUA_LEARNER_CRASH_AFTER_OPTIMIZER_UPDATE=k exits after the k-th
-update of the step; PERPETUA_LEARNER_CRASH_BEFORE_COMMIT=1 exits after the checkpoint tensors
+Fault points (ops/common/faults.py, env PERPETUA_FAULT): `learner.after_update.<k>` kills the
+process after the k-th update of the step; `learner.before_commit` after the checkpoint tensors
 are written but before the COMPLETE marker.
 
 This module imports megatron-core: the process entry (ops.learn.main) imports it only after
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,13 +40,11 @@ from ops.policy.versions import policy_dir
 from ops.learn.errors import LearnerError
 from ops.learn.export import TokenizerFiles, export_policy, parent_data_version
 from ops.learn.metrics import scalar_metrics
+from ops.common import faults
 from ops.learn.step import Learner, StepResult
 from ops.policy import checkpoint, hf_convert
 from ops.policy.model import PolicyConfig
 
-CRASH_AFTER_UPDATE = "PERPETUA_LEARNER_CRASH_AFTER_OPTIMIZER_UPDATE"
-CRASH_BEFORE_COMMIT = "PERPETUA_LEARNER_CRASH_BEFORE_COMMIT"
-CRASH_EXIT_CODE = 17
 
 
 @dataclass
@@ -210,7 +207,6 @@ def _open_run_log(job: LearnerJob):
 def _on_update(log, run_log) -> Callable[[dict], None]:
     """After each optimizer update: metrics to MLflow and the log (rank 0), then the crash hook."""
     rank = world.rank()
-    crash_after = int(os.environ.get(CRASH_AFTER_UPDATE, "0") or 0)
 
     def on_update(m: dict) -> None:
         scalars = scalar_metrics(m)
@@ -220,8 +216,7 @@ def _on_update(log, run_log) -> Callable[[dict], None]:
             log("learner: update {update} (optimizer step {optimizer_step}): loss {loss:.5f} pg {pg_loss:.5f} "
                 "mismatch {mismatch:.4f} entropy {entropy:.3f} grad_norm {grad_norm:.4f} lb_loss "
                 "{load_balancing_loss:.4f} {tokens_per_s:.0f} tok/s".format(**m))
-        if crash_after and m["update"] == crash_after:
-            os._exit(CRASH_EXIT_CODE)
+        faults.point(f"{faults.LEARNER_AFTER_UPDATE}.{m['update']}")
 
     return on_update
 
@@ -273,9 +268,8 @@ def _checkpoint_meta(job: LearnerJob, policy: PolicyConfig, learner: Learner, st
 
 def _save_and_export(job: LearnerJob, inputs: _Inputs, learner: Learner, meta: dict) -> Path:
     """Checkpoint on every rank (committed by the COMPLETE marker), then the HF export from rank 0."""
-    commit_hook = (lambda: os._exit(CRASH_EXIT_CODE)) if os.environ.get(CRASH_BEFORE_COMMIT) == "1" else None
     ckpt = checkpoint.save(job.checkpoint_dir, meta["policy_version"], learner.state_dict(), learner.optimizer_state(),
-                           meta, before_commit=commit_hook)
+                           meta, before_commit=lambda: faults.point(faults.LEARNER_BEFORE_COMMIT))
     if world.rank() == 0:
         full = learner.state_dict() if job.learner.expert_parallel == 1 else checkpoint.load_model_tensors(ckpt)
         export_policy(inputs.policy, full, Path(meta["hf_dir"]), inputs.tokenizer, meta)
