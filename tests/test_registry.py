@@ -134,3 +134,30 @@ def test_register_from_logged_model_and_user_errors(uri, tmp_path):
     empty.mkdir()
     with pytest.raises(RegistryError, match="empty"):
         registry.register_candidate(uri, empty, NAME)
+
+
+def test_register_an_export_linked_to_an_artifactless_logged_model_through_the_server(perpetua_home, tmp_path):
+    """The deploy's way, through the MLflow server (which checks what a direct store does not): the
+    HF export as the version's own artifacts, linked to the candidate's LoggedModel that the eval
+    logged without artifacts. MLflow's server refuses model_id with a source outside the model's
+    artifacts, so the link is the version's tag and the model's registry tag."""
+    import socket
+
+    from ops.common.paths import home
+    from ops.serving import mlflow_server
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = mlflow_server.start(home(), port=port)
+    try:
+        uri = server.url
+        parent = start_cycle_run(uri, "perpetua-registry-test", cycle=1)
+        with stage_run(uri, parent, "evaluate") as log:
+            eval_model = log.log_checkpoint("policy-v8", step=1)
+        v = registry.register_candidate(uri, export(tmp_path, 8), NAME, model_id=eval_model)
+        assert registry.version_model_id(uri, NAME, v) == eval_model
+        assert json.loads(client(uri).get_logged_model(eval_model).tags["mlflow.modelVersions"]) == [{"name": NAME, "version": v}]
+        assert json.loads((registry.model_dir(uri, NAME, v, dst=tmp_path / "dl") / "config.json").read_text())["policy_version"] == 8
+    finally:
+        mlflow_server.stop(home())

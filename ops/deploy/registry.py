@@ -136,7 +136,11 @@ def register_candidate(
         version_tags[TAG_MODEL_ID] = model_id  # the SQL registry store does not keep model_id itself
     # run_id is always set here: with run_id None and a model_id, MLflow's SQL store would look
     # the model up through the *global* client (the default tracking URI), not this store.
-    mv = c.create_model_version(name, source=source, run_id=run_id, tags=version_tags, model_id=model_id)
+    # With its own artifacts (model_dir) the version is linked to the LoggedModel by the tag and
+    # the model's registry tag only: MLflow refuses a source outside the LoggedModel's artifacts
+    # when model_id is passed here.
+    mv = c.create_model_version(name, source=source, run_id=run_id, tags=version_tags,
+                                model_id=model_id if model_dir is None else None)
     version = str(mv.version)
     if model_id is not None:
         _link_logged_model(tracking_uri, model_id, name, version)
