@@ -158,3 +158,17 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
     fixers = {a.value for t in logged for a in t.info.assessments if a.name == verdicts.FIXED_BY}
     fixed_traces = {t.info.trace_id for t in logged if any(a.name == verdicts.FIXED_BY for a in t.info.assessments)}
     assert fixed_traces <= marked and (not fixers or row2["deployed"])
+
+    # Where each cycle's wall time went (ops/bench/cycle.py): engine compute inside the stage's wall,
+    # in the summary row, printed after the cycle's block and on the cycle's MLflow run.
+    assert "compute/wall" in first.stdout and "compute/wall" in second.stdout
+    for r in (row, row2):
+        stages = r["breakdown"]["stages"]
+        assert stages["rollouts"]["wall_s"] >= stages["rollouts"]["compute_s"] > 0, stages["rollouts"]
+        learned_something = r["informative_samples"] > 0  # else the learner had nothing to train on
+        assert stages["policy_checkpoint"]["wall_s"] >= stages["policy_checkpoint"]["compute_s"] >= 0
+        assert (stages["policy_checkpoint"]["compute_s"] > 0) == learned_something, stages["policy_checkpoint"]
+        assert 0 < r["breakdown"]["ratio"] <= 1
+    metrics = c.get_run(row2["mlflow_run_id"]).data.metrics
+    assert metrics["cycle.compute_ratio"] == pytest.approx(row2["breakdown"]["ratio"])
+    assert metrics["cycle.stage.rollouts.compute_s"] == pytest.approx(row2["breakdown"]["stages"]["rollouts"]["compute_s"])

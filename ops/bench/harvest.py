@@ -148,12 +148,11 @@ def _measure(side: str, landing: str, perpetua_home: str) -> dict:
 def _peak_rss_mb() -> float:
     """Peak RSS of this process. /proc's VmHWM starts afresh at exec; ru_maxrss on Linux keeps
     the forking parent's peak, so it is only the fallback."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
+    from ops.bench.memory import vm_hwm_mb
+
+    peak = vm_hwm_mb()
+    if peak is not None:
+        return peak
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

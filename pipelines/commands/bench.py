@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 
 from pipelines.cli import UserError, print_json
 
@@ -15,13 +16,18 @@ BENCHES = {
     "harvest": ("ops.bench.harvest", "validating harvester vs a plain pyarrow.dataset scan (records/s, peak memory)"),
     "learning": ("pipelines.bench_learning", "ablation of the learning settings: demos from the same base, seeds and "
                  "fresh traffic (final failure rate of the plain loop / of the defaults)"),
+    "cycle": ("pipelines.bench_cycle", "demo cycles broken down per stage into engine compute and everything else "
+              "(engine compute seconds / cycle wall seconds)"),
 }
 
 
 def add_arguments(p) -> None:
     p.add_argument("name", choices=sorted(BENCHES), help="; ".join(f"{k}: {v[1]}" for k, v in BENCHES.items()))
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--cycles", type=int, default=3, help="learning only: cycles per configuration (default 3)")
+    p.add_argument("--cycles", type=int, default=3,
+                   help="learning: cycles per configuration; cycle: cycles of the demo (default 3)")
+    p.add_argument("--base", type=Path, metavar="DIR",
+                   help="cycle only: copy this base policy (a home's models/base) instead of bootstrapping one")
     p.add_argument("--only", metavar="NAMES", help="learning only: comma-separated configurations to run (default all)")
     p.add_argument("--hacks", action="store_true",
                    help="verify only: run the reward-hacking suite (every attack must score 0 and be flagged, "
@@ -38,8 +44,12 @@ def run(args) -> int:
         if e.name != module_name:
             raise
         raise UserError(f"benchmark {args.name!r} is not available in this build") from None
+    if args.base is not None and args.name != "cycle":
+        raise UserError("--base belongs to `perpetua bench cycle`")
     if args.name == "learning":
         return _learning(module, args)
+    if args.name == "cycle":
+        return _cycle(module, args)
     result = module.run_bench()
     if args.json:
         print_json(result)
@@ -62,6 +72,18 @@ def _learning(module, args) -> int:
         print_json(result)
         return 0
     print(module.format_table(result))
+    return 0
+
+
+def _cycle(module, args) -> int:
+    try:
+        result = module.run_bench(cycles=args.cycles, base=args.base, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except (ValueError, RuntimeError) as e:
+        raise UserError(str(e)) from None
+    if args.json:
+        print_json(result)
+    else:
+        print(module.format_table(result))
     return 0
 
 
