@@ -126,6 +126,11 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
             "known_failures_fixed": report["known_failures_fixed"],
             "reused_tasks": dg.MetadataValue.json({k: v.reused_tasks for k, v in
                                                    (("candidate", cand), ("champion", champ), ("reference", ref)) if v}),
+            # engine compute inside the stage (ops/bench/cycle.py): generation and verification of
+            # the tasks each policy was scored on here (reused tasks cost none)
+            "engine_seconds": dg.MetadataValue.float(sum(v.seconds for v in (cand, champ, ref) if v)),
+            "engine_parts": dg.MetadataValue.json({f"{k}_s": round(v.seconds, 3) for k, v in
+                                                   (("candidate", cand), ("champion", champ), ("reference", ref)) if v}),
             "guard": dg.MetadataValue.json({k: v.scores["guard"].pass_at_1 for k, v in (("candidate", cand), ("champion", champ))}),
             "production": dg.MetadataValue.json({k: report[k].get("deciding/production", {}).get("pass_at_1")
                                                  for k in ("candidate", "champion")}),

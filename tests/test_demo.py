@@ -168,6 +168,7 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
         learned_something = r["informative_samples"] > 0  # else the learner had nothing to train on
         assert stages["policy_checkpoint"]["wall_s"] >= stages["policy_checkpoint"]["compute_s"] >= 0
         assert (stages["policy_checkpoint"]["compute_s"] > 0) == learned_something, stages["policy_checkpoint"]
+        assert stages["eval_report"]["wall_s"] >= stages["eval_report"]["compute_s"] > 0, stages["eval_report"]
         assert 0 < r["breakdown"]["ratio"] <= 1
     metrics = c.get_run(row2["mlflow_run_id"]).data.metrics
     assert metrics["cycle.compute_ratio"] == pytest.approx(row2["breakdown"]["ratio"])

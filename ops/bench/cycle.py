@@ -7,16 +7,18 @@ their materialization metadata as `engine_seconds`:
 - verified_rewards: the sandboxed verification of every rollout;
 - policy_checkpoint: forward, backward and optimizer of each update (the learner's result json,
   `history[].step_seconds`);
-- eval_report: not separated. The stage records no engine time, so its generation and
-  verification count with everything else and the ratio is a lower bound by at most that
-  stage's share (`compute_not_separated` names it);
+- eval_report: the generation and verification of the tasks each policy (candidate, champion,
+  guard reference) is scored on in this cycle (`engine_parts`; tasks whose recorded outcomes are
+  reused cost none). A run recorded before the stage timed its engines has no `engine_seconds`:
+  it counts with everything else and `compute_not_separated` names it (the ratio is then a
+  lower bound);
 - harvested_failures, training_tasks, deployment: no engine compute by definition (a refit
   loads weights, it computes nothing).
 
 Everything else, per stage, split where the stage's records allow it (`other`):
 - `in_stage_work_s`: the stage's measured work (its cost meter's wall) less engine compute:
-  engine refit and tokenizer load, task choice, sandbox start, reading and writing tables;
-  for eval_report all of its generation and verification too;
+  engine refit and tokenizer load, task choice, sandbox start, reading and writing tables,
+  the eval's statistics, gate and report;
 - `step_and_logging_s`: the step's wall less its measured work: Dagster step start and end,
   resources, MLflow runs and logging outside the metered block, metadata;
 - the learner, from its phase timings: `learner_process_start_s` (torchrun start, imports,
