@@ -75,13 +75,12 @@ def project_instance() -> dg.DagsterInstance:
     root = home().dagster
     if not (root / "dagster.yaml").exists() and not (root / "storage").exists():
         raise AuditError(f"no Dagster instance at {root}: nothing has run under PERPETUA_HOME={home().root} yet")
-    if pg.uses_postgres(home()):  # the instance's storage is the home's PostgreSQL: serve it first
-        from ops.serving import postgres_server
+    from ops.serving import postgres_server
 
-        try:
-            postgres_server.start(home())
-        except (postgres_server.PostgresServerError, pg.PostgresConfigError) as e:
-            raise AuditError(f"the Dagster instance is on PostgreSQL, which cannot start: {e}") from None
+    try:  # a home on PostgreSQL keeps the instance's storage there: serve it first
+        postgres_server.start_if_used(home())
+    except (postgres_server.PostgresServerError, pg.PostgresConfigError) as e:
+        raise AuditError(f"the Dagster instance is on PostgreSQL, which cannot start: {e}") from None
     return dg.DagsterInstance.from_config(str(root))
 
 

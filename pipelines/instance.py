@@ -119,11 +119,10 @@ def write_instance_yaml(dagster_home: Path, text: str = INSTANCE_YAML) -> Path:
 def prepare_dagster_home(h: Home | None = None) -> Path:
     """Point DAGSTER_HOME at PERPETUA_HOME/dagster and write its dagster.yaml; returns the folder.
     A home on PostgreSQL gets its server started (or reused) first, so the instance opens."""
-    h = h or home()
-    if pg.uses_postgres(h):
-        from ops.serving import postgres_server
+    from ops.serving import postgres_server
 
-        postgres_server.start(h)
+    h = h or home()
+    postgres_server.start_if_used(h)
     write_instance_yaml(h.dagster, instance_yaml(h))
     os.environ["DAGSTER_HOME"] = str(h.dagster)
     return h.dagster

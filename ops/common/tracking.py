@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from ops.common import postgres as pg
 from ops.common.paths import Home, home
@@ -139,6 +139,18 @@ def client(uri: str | None = None):
     """An MlflowClient for this store (tracking and registry in the same place); `uri` None: the
     store `tracking_uri()` resolves to. The only place this project builds one."""
     return _client(tracking_uri() if uri is None else check_tracking_uri(uri))
+
+
+def paged(search: Callable[..., Any], **kwargs) -> Iterator[Any]:
+    """Every item of a paged MLflow search (`client.search_traces`, `search_datasets`, ...),
+    page after page: `search(**kwargs, page_token=...)` until a page carries no next token."""
+    token = None
+    while True:
+        page = search(**kwargs, page_token=token)
+        yield from page
+        token = page.token
+        if not token:
+            return
 
 
 def log_feedback(uri: str, trace_id: str, name: str, value: Any, source_id: str, rationale: str | None = None,

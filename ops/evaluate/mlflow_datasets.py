@@ -74,14 +74,9 @@ def _records(tasks: Sequence[Task]) -> list[dict]:
 def _versions(uri: str, set_name: str) -> list:
     """Every dataset version of `set_name`, oldest first (searched by name prefix: tag filters on
     datasets differ between stores)."""
-    c, found, token = tracking.client(uri), [], None
-    while True:
-        page = c.search_datasets(filter_string=f"name LIKE '{PREFIX}/{set_name}/v%'", max_results=200,
-                                 order_by=["created_time ASC"], page_token=token)
-        found += [d for d in page if d.tags.get(TAG_SET) == set_name]
-        token = page.token
-        if not token:
-            return found
+    found = tracking.paged(tracking.client(uri).search_datasets, filter_string=f"name LIKE '{PREFIX}/{set_name}/v%'",
+                           max_results=200, order_by=["created_time ASC"])
+    return [d for d in found if d.tags.get(TAG_SET) == set_name]
 
 
 def ensure_dataset(uri: str, experiment_id: str, set_name: str, tasks: Sequence[Task],

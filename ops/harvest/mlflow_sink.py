@@ -54,7 +54,6 @@ class TraceLogger:
         import mlflow
 
         self.sink = sink
-        self.client = tracking.client(sink.tracking_uri)
         self.experiment_id = tracking.ensure_experiment(sink.tracking_uri, sink.experiment)
         self._mlflow = mlflow
         self._last_ms = 0

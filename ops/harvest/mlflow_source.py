@@ -12,6 +12,7 @@ and goes through the same per-record validation, quarantine and classification a
 from __future__ import annotations
 
 import json
+from itertools import islice
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -92,22 +93,13 @@ def _new_traces(client, src: MlflowTraceSource, experiment_id: str, since: int, 
     (with `limit`: looks at no more than that many traces per filter)."""
     found: dict[str, Any] = {}
     for flt in ("trace.status = 'ERROR'", f"feedback.{src.feedback_name} = 'false'"):
-        token, looked = None, 0
-        while True:
-            page = client.search_traces(
-                locations=[experiment_id],
-                filter_string=f"{flt} AND trace.timestamp_ms >= {since}",
-                max_results=src.page_size if limit is None else min(src.page_size, limit - looked),
-                order_by=["timestamp_ms ASC"],
-                page_token=token,
-            )
-            for tr in page:
-                if tr.info.trace_id not in recent:
-                    found.setdefault(tr.info.trace_id, tr)
-            looked += len(page)
-            token = page.token
-            if not token or (limit is not None and looked >= limit):
-                break
+        traces = tracking.paged(client.search_traces, locations=[experiment_id],
+                                filter_string=f"{flt} AND trace.timestamp_ms >= {since}",
+                                max_results=src.page_size if limit is None else min(src.page_size, limit),
+                                order_by=["timestamp_ms ASC"])
+        for tr in traces if limit is None else islice(traces, limit):
+            if tr.info.trace_id not in recent:
+                found.setdefault(tr.info.trace_id, tr)
     return found
 
 

@@ -50,15 +50,8 @@ def mark_harvested(uri: str, failures: Iterable[Mapping], generation: int, links
 
 def harvested_traces(uri: str, experiment_ids: list[str], task_id: str) -> list:
     """The MLflow traces harvested as failures of `task_id` (by their `perpetua.harvested_task` tag)."""
-    c = tracking.client(uri)
-    found, token = [], None
-    while True:
-        page = c.search_traces(locations=experiment_ids, filter_string=f"tag.{HARVESTED_TASK_TAG} = '{task_id}'",
-                               max_results=500, page_token=token)
-        found += list(page)
-        token = page.token
-        if not token:
-            return found
+    return list(tracking.paged(tracking.client(uri).search_traces, locations=experiment_ids,
+                               filter_string=f"tag.{HARVESTED_TASK_TAG} = '{task_id}'", max_results=500))
 
 
 def mark_fixed(uri: str, experiment: str, fixed_task_ids: Iterable[str], model_version: str, links: Mapping[str, str],

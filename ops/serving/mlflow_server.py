@@ -98,10 +98,9 @@ def start(
     shown = pg.url(h, "mlflow", with_password=False) if pg.uses_postgres(h) else backend
 
     def launch() -> supervisor.Launch:
-        if pg.uses_postgres(h):
-            from ops.serving import postgres_server
+        from ops.serving import postgres_server
 
-            postgres_server.start(h)
+        postgres_server.start_if_used(h)
         artifacts.mkdir(parents=True, exist_ok=True)
         argv = [
             sys.executable, "-m", "mlflow", "server",  # the store: MLFLOW_BACKEND_STORE_URI below

@@ -199,6 +199,12 @@ def ensure_databases(h: Home) -> list[str]:
     return created
 
 
+def start_if_used(h: Home) -> PostgresServer | None:
+    """The home's server started (or reused) when the home keeps its records in PostgreSQL; None
+    for a SQLite home. What every opener of the instance or the MLflow store calls first."""
+    return start(h) if pg.uses_postgres(h) else None
+
+
 def start(h: Home | None = None, timeout_s: float = 60.0) -> PostgresServer:
     """Start (or reuse) the home's server, creating the cluster and the databases on first use;
     returns once it accepts logins."""
