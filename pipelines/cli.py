@@ -27,6 +27,7 @@ COMMANDS = {
     "verify": "Score one response with a verifier exactly as a cycle would; prints reward, outcome, guards.",
     "stop": "Stop the local vLLM, MLflow and PostgreSQL servers of this PERPETUA_HOME.",
     "db": "The database of this PERPETUA_HOME (SQLite or PostgreSQL): its status, or start its server.",
+    "envs": "The registered environments (agent, tools, tasks) the loop can train on.",
     "cluster": "Render and validate offline the Helm values, Dockerfile and manifests for Kubernetes.",
 }
 
