@@ -15,6 +15,7 @@ from ops.deploy.deploy import deploy_policy
 from ops.evaluate import report as reports
 from ops.harvest import verdicts
 from ops.common import tracking
+from ops.envs.home import home_environment, stage_code_version
 from assets.resources import MlflowTracking, PolicyServer
 
 CODE_VERSION = "deployment-2"
@@ -23,7 +24,7 @@ CODE_VERSION = "deployment-2"
 @dg.asset(
     group_name="deploy",
     kinds={"mlflow", "vllm"},
-    code_version=CODE_VERSION,
+    code_version=stage_code_version(CODE_VERSION),
     deps=[dg.AssetKey("eval_report")],
 )
 def deployment(context: dg.AssetExecutionContext, production_server: PolicyServer, mlflow: MlflowTracking) -> dg.MaterializeResult:
@@ -37,6 +38,7 @@ def deployment(context: dg.AssetExecutionContext, production_server: PolicyServe
     if not report["gate"]["passed"]:
         raise dg.Failure(f"cycle {cycle}: the deploy gate did not pass; refusing to deploy")
     candidate = int(report["candidate_version"])
+    env = home_environment()
     parent = cycle_run_id(context, uri, mlflow.experiment, cycle)
     eval_event = context.instance.get_latest_materialization_event(dg.AssetKey("eval_report"))
     eval_data_version = eval_event.asset_materialization.tags.get("dagster/data_version") if eval_event else None
@@ -51,7 +53,8 @@ def deployment(context: dg.AssetExecutionContext, production_server: PolicyServe
                 uri, production_server.serve, policy_version=candidate, run_id=log.run_id,
                 model_id=logged_model.value if logged_model is not None and logged_model.value else None,
                 tags={tracking.TAG_DAGSTER_RUN: context.run.run_id, tracking.TAG_CYCLE: cycle,
-                      tracking.TAG_EVAL_DATA_VERSION: eval_data_version or ""},
+                      tracking.TAG_EVAL_DATA_VERSION: eval_data_version or "",
+                      tracking.TAG_ENVIRONMENT: env.code_version()},
             )
             log.log_metrics({"deployed_policy_version": deployed.policy_version}, step=cycle)
     tracking.RunLog(uri, parent).log_metrics({"deployed": 1.0}, step=cycle)
@@ -68,6 +71,7 @@ def deployment(context: dg.AssetExecutionContext, production_server: PolicyServe
             "model_version": version,
             "policy_version": candidate,
             "served_policy_version": deployed.policy_version,
+            "environment": dg.MetadataValue.json(env.identity()),
             "previous_champion": deployed.previous or "",
             "newly_registered": deployed.registered,
             "registered_model": tracking.REGISTERED_MODEL,

@@ -29,6 +29,8 @@ from ops.evaluate.sets import EvalConfig, EvalSets, PolicyEval, eval_sets, evalu
 from ops.policy import versions as policies
 from ops.policy.tokenizer import load_hf_tokenizer
 from ops.reward.scoring import rewards_path, rollouts_path
+from ops.envs import Environment
+from ops.envs.home import home_environment, stage_code_version
 from ops.tasks.task_world import Task
 from ops.tasks.training_tasks import current_training_tasks_path, read_training_tasks
 
@@ -73,7 +75,7 @@ def harvested() -> tuple[Counter, list[Task]]:
 @dg.asset(
     group_name="evaluate",
     kinds={"vllm", "mlflow"},
-    code_version=CODE_VERSION,
+    code_version=stage_code_version(CODE_VERSION),
     deps=[dg.AssetKey("policy_checkpoint")],
 )
 def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, trainer_server: PolicyServer,
@@ -83,13 +85,14 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
     uri = mlflow.uri()
     champion_registry_version, champion = registry.champion_policy_version(uri, policies.REGISTERED_MODEL)
     cfg = config.eval_config()
-    sets = eval_sets(cfg, *harvested())
+    env = home_environment()
+    sets = eval_sets(cfg, *harvested(), env=env)
     if context.run.job_name == NIGHTLY_EVAL_JOB:
-        return _champion_check(context, cfg, trainer_server, champion, champion_registry_version, sets)
+        return _champion_check(context, cfg, trainer_server, champion, champion_registry_version, sets, env)
     cycle = cycle_of(context)
     candidate = policies.latest_version()
     with metered("evaluate", cycle, [trainer_server.server_pid()]) as meter:
-        champ, cand, ref = _score_policies(trainer_server, cfg, sets, champion, candidate)
+        champ, cand, ref = _score_policies(trainer_server, cfg, sets, champion, candidate, env)
         meter.add_tokens(champ.tokens + cand.tokens + (ref.tokens if ref else 0))
     gate = config.gate_config()
     decision = decide(cand.samples["deciding"], champ.samples["deciding"], cand.samples["guard"],
@@ -154,19 +157,19 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
     )
 
 
-def _score_policies(server: PolicyServer, cfg: EvalConfig, sets: EvalSets, champion: int, candidate: int
-                    ) -> tuple[PolicyEval, PolicyEval, PolicyEval | None]:
+def _score_policies(server: PolicyServer, cfg: EvalConfig, sets: EvalSets, champion: int, candidate: int,
+                    env: Environment) -> tuple[PolicyEval, PolicyEval, PolicyEval | None]:
     """Champion and candidate on every set; the reference (base policy) on the guard set, unless
     it is the champion."""
     tokenizer = load_hf_tokenizer(policies.hf_dir(candidate))
     engine = server.engine(policies.hf_dir(champion), champion)
     cache = eval_cache_root()  # a policy is scored once per task: the champion and the base mostly reuse
-    champ = evaluate_policy(engine, tokenizer, policies.hf_dir(champion), champion, sets.sets, cfg, cache)
-    cand = evaluate_policy(engine, tokenizer, policies.hf_dir(candidate), candidate, sets.sets, cfg, cache)
+    champ = evaluate_policy(engine, tokenizer, policies.hf_dir(champion), champion, sets.sets, cfg, cache, env)
+    cand = evaluate_policy(engine, tokenizer, policies.hf_dir(candidate), candidate, sets.sets, cfg, cache, env)
     ref = None
     if champion != REFERENCE_VERSION:
         ref = evaluate_policy(engine, tokenizer, policies.hf_dir(REFERENCE_VERSION), REFERENCE_VERSION,
-                              {"guard": sets.sets["guard"]}, cfg, cache)
+                              {"guard": sets.sets["guard"]}, cfg, cache, env)
     return champ, cand, ref
 
 
@@ -235,11 +238,11 @@ def _log_campaign(uri: str, experiment: str, parent: str, record: CycleRecord, c
 
 
 def _champion_check(context, cfg: EvalConfig, server: PolicyServer, champion: int,
-                    champion_registry_version: str | None, sets: EvalSets) -> dg.MaterializeResult:
+                    champion_registry_version: str | None, sets: EvalSets, env: Environment) -> dg.MaterializeResult:
     """The scheduled eval of the serving champion: its own report kind, no cycle, no campaign record."""
     tokenizer = load_hf_tokenizer(policies.hf_dir(champion))
     engine = server.engine(policies.hf_dir(champion), champion)
-    champ = evaluate_policy(engine, tokenizer, policies.hf_dir(champion), champion, sets.sets, cfg)
+    champ = evaluate_policy(engine, tokenizer, policies.hf_dir(champion), champion, sets.sets, cfg, env=env)
     report = reports.champion_report(dagster_run_id=context.run.run_id, champion=champ,
                                      champion_registry_version=champion_registry_version, sets=sets)
     path = reports.write_report(reports.champion_report_path(home().data, context.run.run_id), report)

@@ -17,6 +17,7 @@ from ops.harvest import verdicts
 from ops.harvest.mlflow_source import MlflowTraceSource
 from ops.common import tracking
 from ops.common.lineage import CONTINUES_FROM
+from ops.envs.home import stage_code_version
 from assets.resources import MlflowTracking
 
 
@@ -40,7 +41,7 @@ class HarvestedFailuresConfig(dg.Config):
     deps=["production_traces"],
     group_name="ingest",
     kinds={"python", "parquet", "mlflow"},
-    code_version=HARVEST_CODE_VERSION,
+    code_version=stage_code_version(HARVEST_CODE_VERSION),
 )
 def harvested_failures(context: dg.AssetExecutionContext, config: HarvestedFailuresConfig, mlflow: MlflowTracking) -> dg.MaterializeResult:
     """Validated, deduplicated production failures (bad records quarantined with reasons)."""

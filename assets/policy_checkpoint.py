@@ -24,6 +24,7 @@ from assets.metering import cost_metadata, metered
 from assets.resources import PolicyLineage
 
 from ops.common.paths import home
+from ops.envs.home import stage_code_version
 
 ASSET_VERSION = "2"  # bump when the learner's algorithm or this asset's logic changes
 CODE_VERSION = f"policy_checkpoint-{ASSET_VERSION}"
@@ -93,7 +94,7 @@ def _mlflow_run(context, config: PolicyCheckpointConfig, cycle: int, learner_cfg
     deps=[dg.AssetKey("rollouts"), dg.AssetKey("verified_rewards"), dg.AssetKey("base_policy")],
     group_name="learn",
     kinds={"megatron", "pytorch"},
-    code_version=CODE_VERSION,
+    code_version=stage_code_version(CODE_VERSION),
 )
 def policy_checkpoint(
     context: dg.AssetExecutionContext,

@@ -11,6 +11,7 @@ from assets.metering import cost_metadata, metered
 from assets.resources import MlflowTracking, PolicyLineage, PolicyServer
 from ops.common.paths import home
 from ops.common.tables import ROLLOUTS, table_hash, write_table
+from ops.envs.home import home_environment, stage_code_version
 from ops.policy import versions as policies
 from ops.policy.tokenizer import load_hf_tokenizer
 from ops.reward.isolation import SandboxUnavailable
@@ -52,7 +53,7 @@ def dynamic_config(config: RolloutsConfig) -> DynamicSamplingConfig:
 @dg.asset(
     group_name="rollout",
     kinds={"vllm"},
-    code_version=CODE_VERSION,
+    code_version=stage_code_version(CODE_VERSION),
     deps=[dg.AssetKey("training_tasks"), dg.AssetKey("base_policy")],
 )
 def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_server: PolicyServer,
@@ -79,6 +80,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_
                               max_tokens=config.max_tokens, seed=config.seed)
     history = read_history(data, cycle, dynamic.curriculum.history_cycles)
     truth = load_ground_truth(data)
+    env = home_environment()
     try:
         sandbox = Sandbox()
     except SandboxUnavailable as e:
@@ -89,7 +91,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_
                          f"by policy v{version}; history of cycles {list(history.cycles)}")
         batch = sample_informative(engine, load_hf_tokenizer(model_dir), pool, history, dynamic, sampling,
                                    lambda rows: screen_rewards(rows, truth, sandbox=sandbox),
-                                   cycle=cycle, version=version, log=context.log.info)
+                                   cycle=cycle, version=version, env=env, log=context.log.info)
         meter.add_tokens(batch.total_tokens)
     if batch.exhausted:
         context.log.warning(f"cycle {cycle}: {batch.informative_groups} informative groups, fewer than the "
@@ -101,6 +103,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_
         metadata={
             "cycle": cycle,
             "policy_version": version,
+            "environment": dg.MetadataValue.json(env.identity()),
             "rollouts": len(batch.rows),
             "policy_rollouts": len(policy_rows),
             "reference_rollouts": len(batch.rows) - len(policy_rows),

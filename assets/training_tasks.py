@@ -14,6 +14,7 @@ import dagster as dg
 from pydantic import Field
 
 from ops.harvest.failures import read_failures
+from ops.envs.home import home_environment, stage_code_version
 from ops.tasks.training_tasks import TRAINING_TASKS_CODE_VERSION, TrainingTaskConfig, build_and_write_training_tasks
 
 
@@ -28,7 +29,7 @@ class TrainingTasksConfig(dg.Config):
     deps=["harvested_failures"],
     group_name="ingest",
     kinds={"python", "parquet"},
-    code_version=TRAINING_TASKS_CODE_VERSION,
+    code_version=stage_code_version(TRAINING_TASKS_CODE_VERSION),
 )
 def training_tasks(context: dg.AssetExecutionContext, config: TrainingTasksConfig) -> dg.MaterializeResult:
     """RL tasks with verifier specs; the held-out split (ops/tasks/split.py, one rule for every
@@ -38,7 +39,8 @@ def training_tasks(context: dg.AssetExecutionContext, config: TrainingTasksConfi
         min_replay=config.min_replay,
         bootstrap_share=config.bootstrap_share,
     )
-    task_set, path = build_and_write_training_tasks(read_failures(), settings)
+    env = home_environment()
+    task_set, path = build_and_write_training_tasks(read_failures(), settings, env=env)
     t = task_set.table
     if task_set.unverifiable:
         context.log.warning(f"{len(task_set.unverifiable)} failures have no derivable ground truth and were left out")
@@ -47,6 +49,7 @@ def training_tasks(context: dg.AssetExecutionContext, config: TrainingTasksConfi
     return dg.MaterializeResult(
         metadata={
             **{k: dg.MetadataValue.int(v) for k, v in task_set.counts.items()},
+            "environment": dg.MetadataValue.json(env.identity()),
             "families": dg.MetadataValue.json(dict(sorted(by_split_family.items()))),
             "dagster/row_count": dg.MetadataValue.int(t.num_rows),
             "source_trace_ids_count": dg.MetadataValue.int(len(trace_ids)),

@@ -29,6 +29,7 @@ from ops.common.tables import REWARDS, read_table, table_hash
 from ops.reward.sandbox import SandboxUnavailable
 from ops.reward.verifiers import verifier_versions
 from ops.reward.scoring import NothingToScore, rewards_path, score_cycle, stored_cycles
+from ops.envs.home import stage_code_version
 
 DEFAULT_MAX_FLAGGED_RATE = 0.5
 
@@ -65,7 +66,7 @@ def _log_reward_counts(context, mlflow: MlflowTracking, cycle: int, summary: dic
     deps=[dg.AssetKey("rollouts")],
     group_name="reward",
     kinds={"python", "parquet"},
-    code_version=CODE_VERSION,
+    code_version=stage_code_version(CODE_VERSION),
 )
 def verified_rewards(context: dg.AssetExecutionContext, config: VerifiedRewardsConfig,
                      mlflow: MlflowTracking) -> dg.MaterializeResult:

@@ -35,7 +35,7 @@ from assets.cycle_run import cycle_outcome
 from pipelines.instance import prepare_dagster_home
 from ops.policy import versions as policies
 from ops.deploy import registry
-from ops.tasks import task_world
+from ops.envs.home import home_environment
 from ops.common import tracking
 from ops.common.paths import Home, home
 from ops.harvest.mlflow_sink import MlflowTraceSink
@@ -52,6 +52,7 @@ class DemoConfig:
     run_config: dict = field(default_factory=dict)
     automation: bool = True  # switch the sensor and schedules on in the instance when done
     traces: str = "mlflow"  # where production traffic goes: "mlflow" (traces in the experiment) or "landing" (files)
+    environment: str | None = None  # the environment to train (ops/envs); None: the home's, else the calculator world
 
 
 # Dagster's console logger prints every engine event at DEBUG; the demo shows the stages' own
@@ -175,7 +176,7 @@ def production_traffic(production, champion: str, requests: int, t0: float, t1: 
     engine = ServerEngine(f"http://127.0.0.1:{production.port}")
     tokenizer = load_hf_tokenizer(policies.hf_dir(engine.policy_version))
     cfg = SimulatorConfig(requests=requests, seed=seed, time_start=t0, time_end=t1, model_version=champion, windows=1)
-    result = run_simulation(engine, tokenizer, traces_to, cfg)
+    result = run_simulation(engine, tokenizer, traces_to, cfg, env=home_environment())
     failures = sum(r.outcome != "success" for r in result.records)
     return {"requests": len(result.records), "overall_failure_rate": failures / max(1, len(result.records)),
             "failure_rate": {f: v["rate"] for f, v in result.by_family.items()}, "by_family": result.by_family}
@@ -184,13 +185,19 @@ def production_traffic(production, champion: str, requests: int, t0: float, t1: 
 def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
     import dagster as dg
 
-    from ops.serving import mlflow_server
+    from ops.envs.home import ENV_VAR
 
-    from ops.serving import vllm_server
+    began = time.monotonic()
+    # the stages read the home's environment (chosen here for a new home); set before the
+    # definitions load, since the stages' code versions name it
+    if settings.environment:
+        os.environ[ENV_VAR] = settings.environment
+    env = home_environment()
+    from ops.serving import mlflow_server, vllm_server
     from pipelines.definitions import defs
     from assets.resources import for_environment
 
-    began = time.monotonic()
+    log(f"environment: {env.name} v{env.version}")
     for job in ("bootstrap", CYCLE_JOB):  # a config mistake stops the demo before anything starts
         dg.validate_run_config(defs.resolve_job_def(job), job_run_config(settings, job))
     h = home().ensure()
@@ -259,7 +266,7 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
                                    traces_to=traces_to(champion))
         log(f"after cycle {total}: production failure rate {final['overall_failure_rate']:.2f}")
         record_traffic(total + 1, final)
-        print_failure_rates(failure_rates, task_world.DRIFT_FAMILIES + task_world.BOOTSTRAP_FAMILIES)
+        print_failure_rates(failure_rates, env.drift_families + env.bootstrap_families)
         if settings.automation:
             automation_state = hand_over_to_daemon(h, log)
     finally:
@@ -267,7 +274,7 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
             vllm_server.stop(port)
         if started_mlflow:
             mlflow_server.stop(h)
-    summary = {"cycles": rows, "production_failure_rate": failure_rates, "overall_failure_rate": overall_rates,
+    summary = {"environment": env.identity(), "cycles": rows, "production_failure_rate": failure_rates, "overall_failure_rate": overall_rates,
                "final_failure_rate": overall_rates[-1]["rate"] if overall_rates else None,
                "automation": automation_state, "wall_seconds": time.monotonic() - began}
     if settings.summary:

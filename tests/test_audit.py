@@ -236,6 +236,7 @@ def test_audit_walks_a_real_chain_back_to_the_landed_trace_ids(project, capsys):
     assert by_key["harvested_failures"]["code_version"] == HARVEST_CODE_VERSION
     assert by_key["policy_checkpoint"]["policy_version"] == 1
     assert out["verifier_versions"]["calculator"]
+    assert out["environment"] == {"name": "calculator", "version": "1"}  # the home's environment, on every stage
 
     # MLflow run ids: the learner's run and the registration run, both real.
     client = tracking.client(au.tracking_uri())
@@ -243,6 +244,7 @@ def test_audit_walks_a_real_chain_back_to_the_landed_trace_ids(project, capsys):
     assert learner.data.tags[tracking.TAG_DAGSTER_RUN] == cycle.run_id
     mv = client.get_model_version(au.REGISTERED_MODEL, "1")
     assert by_key["deployment"]["mlflow_run_id"] == mv.run_id
+    assert mv.tags[tracking.TAG_ENVIRONMENT] == "calculator-1"
     assert by_key["training_tasks"]["mlflow_run_id"] is None
 
     # The same lineage by registry version, by policy version and by Dagster run.
@@ -252,6 +254,7 @@ def test_audit_walks_a_real_chain_back_to_the_landed_trace_ids(project, capsys):
     assert by_run["model_version"] is None and by_run["hops"] == out["hops"] and by_run["complete"]
     code, _, text = cli_json(capsys)
     assert code == 0 and "lineage complete: 9 hops" in text and "policy_checkpoint" in text
+    assert "environment: calculator v1" in text
 
     # The harvester prunes old failures tables: the ids come back from the per-harvest batches.
     Path(by_key["harvested_failures"]["path"]).unlink()
@@ -339,3 +342,17 @@ def test_a_model_continued_from_its_previous_checkpoint_is_audited_back_through_
         run = dg.materialize([orphan], instance=instance, selection=["checkpoint"])
         hops, missing = au.walk(instance, au.start_record(instance, run.run_id, ["checkpoint"]))
         assert [(m.asset_key, m.needed_by, m.data_version) for m in missing] == [("checkpoint", "checkpoint", "weights-v9")]
+
+
+def test_a_lineage_that_mixes_environments_is_a_problem():
+    from ops.common.lineage import Hop
+
+    def hop(key, env):
+        return Hop(key, "run", f"{key}-dv", None, None, metadata={"environment": env})
+
+    one = au.Audit(model_version=None, hops=[hop("eval_report", {"name": "reasoning_gym", "version": "1"}),
+                                             hop("rollouts", {"name": "reasoning_gym", "version": "1"})])
+    assert one.to_json()["environment"] == {"name": "reasoning_gym", "version": "1"} and one.problems() == []
+    mixed = au.Audit(model_version=None, hops=[one.hops[0], hop("rollouts", {"name": "calculator", "version": "1"})])
+    assert mixed.to_json()["environment"] is None and not mixed.complete
+    assert mixed.problems() == ["the lineage mixes environments: reasoning_gym v1, calculator v1"]

@@ -13,6 +13,7 @@ from ops.rollout.engine import (
     TurnRequest,
     TurnResult,
 )
+from ops.envs.calculator import Calculator
 from ops.rollout.episodes import EpisodeRunner, EpisodeConfig
 from scripted_engine import ScriptedEngine
 from ops.rollout.groups import SamplingConfig, generate_groups, rollouts_table, sample_seed
@@ -99,11 +100,12 @@ def test_episode_endings(tokenizer, script, reason, turns):
 
 
 def test_tool_failure_is_recorded_not_raised(tokenizer):
-    def broken_tool(expr):
-        raise OSError("sandbox unavailable")
+    class BrokenTool(Calculator):
+        def run_tool(self, task, action, previous):
+            raise OSError("sandbox unavailable")
 
     engine = ScriptedEngine(tokenizer, solver)
-    runner = EpisodeRunner(engine, tokenizer, tool=broken_tool)
+    runner = EpisodeRunner(engine, tokenizer, BrokenTool())
     (ep,) = runner.run([runner.new_episode(TASKS[0], 0, 1)], EpisodeConfig())
     assert ep.finish_reason == "env_error" and "sandbox unavailable" in ep.error
     assert ep.tool_calls[0].error and sum(ep.loss_mask) == len(ep.completion_ids)  # the CALL tokens are kept

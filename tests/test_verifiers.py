@@ -70,6 +70,13 @@ def test_training_tasks_verifier_spec_is_folded_into_the_record():
         verifiers.task_record({"task_id": "t", "verifier_spec": "{oops"})
 
 
+def test_a_task_of_another_environment_must_name_its_verifier():
+    legacy = {"task_id": "t", "family": "add", "question": "What is 2 + 3?", "expression": "2+3", "answer": "5"}
+    assert verifiers.verifier_name_for(legacy) == "calculator"  # calculator records predate the field
+    with pytest.raises(verifiers.UnknownVerifier, match="'reasoning_gym' environment names no verifier"):
+        verifiers.verifier_name_for({**legacy, "environment": "reasoning_gym"})
+
+
 def test_register_a_function_verifier_and_use_it_from_a_task(sb):
     @register_verifier("test-suffix", "7", replace=True)
     def suffix(it: VerifyItem, sandbox) -> Verification:

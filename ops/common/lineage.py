@@ -16,7 +16,7 @@ Why it is shaped like this:
 The JSON shape (`perpetua audit --json`, docs/architecture.md; the first three keys are fixed):
     {"model_version", "hops": [{"asset_key", "dagster_run_id", "data_version", "code_version",
      "mlflow_run_id", ...}], "trace_ids": [...], "registered_model", "alias", "policy_version",
-     "verifier_versions", "complete", "missing": [{"asset_key", "needed_by", "data_version",
+     "verifier_versions", "environment": {"name", "version"}, "complete", "missing": [{"asset_key", "needed_by", "data_version",
      "reason"}], "problems": [...], "trace_ids_source"}
 """
 
@@ -164,9 +164,29 @@ class Audit:
                 out.update({str(k): str(x) for k, x in v.items()})
         return dict(sorted(out.items()))
 
+    @property
+    def environments(self) -> list[dict[str, str]]:
+        """The environments (name and version) the lineage's stages recorded, in hop order: one
+        for a coherent lineage (a home trains one environment; ops/envs/home.py)."""
+        found: list[dict[str, str]] = []
+        for h in self.hops:
+            v = h.metadata.get("environment")
+            if isinstance(v, Mapping) and v.get("name"):
+                ident = {"name": str(v["name"]), "version": str(v.get("version", ""))}
+                if ident not in found:
+                    found.append(ident)
+        return found
+
+    @property
+    def environment(self) -> dict[str, str] | None:
+        envs = self.environments
+        return envs[0] if len(envs) == 1 else None
+
     def problems(self) -> list[str]:
         """Inconsistencies between hops (an empty list when the lineage is coherent)."""
         out = []
+        if len(self.environments) > 1:
+            out.append("the lineage mixes environments: " + ", ".join(f"{e['name']} v{e['version']}" for e in self.environments))
         by_sid = {h.storage_id: h for h in self.hops if h.storage_id is not None}
         for h in self.hops:
             if h.needed_by is None:
@@ -195,6 +215,7 @@ class Audit:
             "policy_version": self.policy_version,
             "dagster_run_id": self.hops[0].dagster_run_id if self.hops else None,
             "verifier_versions": self.verifier_versions,
+            "environment": self.environment,
             "complete": self.complete,
             "missing": [m.to_json() for m in self.missing],
             "problems": self.problems(),
@@ -319,6 +340,8 @@ def format_audit(audit: Audit, max_trace_ids: int = 10) -> str:
         lines.append(f"  missing {m.asset_key} (needed by {m.needed_by or '-'}): {m.reason}")
     for p in j["problems"]:
         lines.append(f"  problem: {p}")
+    if audit.environments:
+        lines.append("environment: " + ", ".join(f"{e['name']} v{e['version']}" for e in audit.environments))
     if j["verifier_versions"]:
         lines.append("verifier versions: " + ", ".join(f"{k}={v}" for k, v in j["verifier_versions"].items()))
     shown = ", ".join(audit.trace_ids[:max_trace_ids])

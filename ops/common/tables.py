@@ -12,8 +12,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-ROLLOUTS_VERSION = "2"
-REWARDS_VERSION = "2"
+ROLLOUTS_VERSION = "3"
+REWARDS_VERSION = "3"
 
 # One row per sampled episode. Token-in/token-out: `completion_ids` are every token after the
 # prompt (model turns and tool results, in order); `loss_mask` is 1 on model-generated tokens
@@ -51,6 +51,9 @@ ROLLOUTS = pa.schema(
         # v2: where the episode came from
         ("source", pa.string()),  # policy (sampled by the engine) | reference (the task's verified solution)
         ("sampling_round", pa.int32()),  # dynamic-sampling round of the cycle that produced the group (0 first)
+        # v3: the environment (ops/envs) whose prompt, tools and turn rules made the episode
+        ("environment", pa.string()),
+        ("environment_version", pa.string()),
     ],
     metadata={"perpetua.table": "rollouts", "perpetua.version": ROLLOUTS_VERSION},
 )
@@ -72,6 +75,9 @@ REWARDS = pa.schema(
         ("isolation", pa.string()),  # bwrap | rlimits (PERPETUA_UNSAFE_NO_SANDBOX=1: no sandbox; never deployable)
         ("infra_failure", pa.bool_()),  # the verification itself failed (twice); excluded from training
         ("rollouts_hash", pa.string()),  # table_hash of the rollouts table these rewards score
+        # v3: the environment of the scored episode
+        ("environment", pa.string()),
+        ("environment_version", pa.string()),
     ],
     metadata={"perpetua.table": "rewards", "perpetua.version": REWARDS_VERSION},
 )
@@ -93,8 +99,29 @@ def _rollouts_v1_to_v2(table: pa.Table) -> pa.Table:
     return table.append_column("sampling_round", pa.array([0] * n, pa.int32()))
 
 
+def _with_calculator_environment(table: pa.Table) -> pa.Table:
+    """Tables written before environments were pluggable all come from the calculator world v1."""
+    n = table.num_rows
+    table = table.append_column("environment", pa.array(["calculator"] * n, pa.string()))
+    return table.append_column("environment_version", pa.array(["1"] * n, pa.string()))
+
+
+def _chain(*steps):
+    def upgrade(table: pa.Table) -> pa.Table:
+        for step in steps:
+            table = step(table)
+        return table
+
+    return upgrade
+
+
 # (table, stored version) -> function bringing such a table to the current schema
-_UPGRADES = {(b"rewards", b"1"): _rewards_v1_to_v2, (b"rollouts", b"1"): _rollouts_v1_to_v2}
+_UPGRADES = {
+    (b"rewards", b"1"): _chain(_rewards_v1_to_v2, _with_calculator_environment),
+    (b"rollouts", b"1"): _chain(_rollouts_v1_to_v2, _with_calculator_environment),
+    (b"rewards", b"2"): _with_calculator_environment,
+    (b"rollouts", b"2"): _with_calculator_environment,
+}
 
 
 def rollout_source(row) -> str:

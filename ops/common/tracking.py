@@ -54,6 +54,7 @@ TAG_POLICY_VERSION = "perpetua.policy_version"  # registry versions: the policy 
 TAG_EVAL_DATA_VERSION = "perpetua.eval_data_version"  # registry versions: the eval_report they passed
 TAG_MODEL_ID = "perpetua.model_id"  # registry versions: their LoggedModel (the SQL store keeps no model_id)
 TAG_HF_DIR = "perpetua.hf_dir"
+TAG_ENVIRONMENT = "perpetua.environment"  # registry versions and production traces: the environment (NAME or NAME-VERSION)
 TAG_DAGSTER_RUN = "dagster.run_id"  # the Dagster run, on MLflow runs and on the registry versions it deployed
 TAG_DAGSTER_ASSET = "dagster.asset_key"
 TAG_DAGSTER_PARTITION = "dagster.partition"

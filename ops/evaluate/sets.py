@@ -35,7 +35,8 @@ from ops.evaluate.statistics import EvalScores, TaskSamples, eval_set_hash, samp
 from ops.reward.scoring import verify_rollouts
 from ops.rollout.engine import RolloutEngine
 from ops.rollout.groups import SamplingConfig, generate_groups
-from ops.tasks import task_world
+from ops.envs import Environment, get_environment
+from ops.tasks.task_world import Task
 from ops.tasks.split import is_held_out
 from ops.tasks.training_tasks import EVAL_SEED, eval_tasks
 
@@ -64,7 +65,7 @@ class EvalSets:
     """The sets to score (name -> tasks) and, for reporting, the deciding set's slices (name ->
     task ids: `drift`, `failure_families`, `production`; a task may sit in several)."""
 
-    sets: dict[str, list[task_world.Task]]
+    sets: dict[str, list[Task]]
     slices: dict[str, list[str]] = field(default_factory=dict)
 
     def hashes(self) -> dict[str, str]:
@@ -72,13 +73,14 @@ class EvalSets:
 
 
 def eval_sets(cfg: EvalConfig, failure_families: Mapping[str, int] | None = None,
-              known_failures: Sequence[task_world.Task] = ()) -> EvalSets:
-    """The cycle's sets; deterministic given the config, the harvested failures' family counts and
-    the harvested held-out tasks."""
-    drift = eval_tasks(task_world.DRIFT_FAMILIES, cfg.drift_per_family)
-    by_failures = _failure_family_tasks(failure_families or {}, cfg.failure_family_tasks)
-    production = _production_tasks(cfg)
-    deciding: dict[str, task_world.Task] = {}
+              known_failures: Sequence[Task] = (), env: Environment | None = None) -> EvalSets:
+    """The cycle's sets in environment `env`; deterministic given the config, the harvested
+    failures' family counts and the harvested held-out tasks."""
+    env = env or get_environment()
+    drift = eval_tasks(env.drift_families, cfg.drift_per_family, env=env)
+    by_failures = _failure_family_tasks(failure_families or {}, cfg.failure_family_tasks, env)
+    production = _production_tasks(cfg, env)
+    deciding: dict[str, Task] = {}
     for t in drift + by_failures + production:
         deciding.setdefault(t.task_id, t)
     known = sorted(known_failures, key=lambda t: t.task_id)[: cfg.max_known_failures]
@@ -87,16 +89,16 @@ def eval_sets(cfg: EvalConfig, failure_families: Mapping[str, int] | None = None
         raise ValueError(f"tasks {leaked[:3]} are in the train split and cannot be evaluated on")
     return EvalSets(
         sets={"deciding": list(deciding.values()),
-              "guard": eval_tasks(task_world.BOOTSTRAP_FAMILIES, cfg.guard_per_family),
+              "guard": eval_tasks(env.bootstrap_families, cfg.guard_per_family, env=env),
               "known_failures": known},
         slices={"drift": [t.task_id for t in drift], "failure_families": [t.task_id for t in by_failures],
                 "production": [t.task_id for t in production]},
     )
 
 
-def _failure_family_tasks(counts: Mapping[str, int], n: int) -> list[task_world.Task]:
+def _failure_family_tasks(counts: Mapping[str, int], n: int, env: Environment) -> list[Task]:
     """`n` fresh held-out tasks split over the families by their failure counts (largest remainder)."""
-    counts = {f: c for f, c in counts.items() if c > 0 and f in task_world.FAMILIES}
+    counts = {f: c for f, c in counts.items() if c > 0 and f in env.families}
     total = sum(counts.values())
     if not total or not n:
         return []
@@ -104,14 +106,14 @@ def _failure_family_tasks(counts: Mapping[str, int], n: int) -> list[task_world.
     alloc = {f: int(q) for f, q in quotas.items()}
     for f in sorted(quotas, key=lambda f: (alloc[f] - quotas[f], f))[: n - sum(alloc.values())]:
         alloc[f] += 1
-    return [t for f in sorted(alloc) if alloc[f] for t in eval_tasks([f], alloc[f], seed=FAILURE_FAMILY_SEED)]
+    return [t for f in sorted(alloc) if alloc[f] for t in eval_tasks([f], alloc[f], seed=FAILURE_FAMILY_SEED, env=env)]
 
 
-def _production_tasks(cfg: EvalConfig) -> list[task_world.Task]:
+def _production_tasks(cfg: EvalConfig, env: Environment) -> list[Task]:
     rng = random.Random(f"production:{cfg.seed}:{cfg.production_time}")
-    mix = task_world.production_mix(cfg.production_time)
-    pool = {f: eval_tasks([f], cfg.production_tasks, seed=PRODUCTION_SEED) for f in mix}
-    drawn: dict[str, task_world.Task] = {}
+    mix = env.production_mix(cfg.production_time)
+    pool = {f: eval_tasks([f], cfg.production_tasks, seed=PRODUCTION_SEED, env=env) for f in mix}
+    drawn: dict[str, Task] = {}
     for _ in range(cfg.production_tasks * 4):
         if len(drawn) >= cfg.production_tasks:
             break
@@ -140,11 +142,12 @@ class PolicyEval:
 
 
 def evaluate_policy(engine: RolloutEngine, tokenizer, model_dir: Path, version: int,
-                    sets: Mapping[str, Sequence[task_world.Task]], cfg: EvalConfig,
-                    cache_root: Path | None = None) -> PolicyEval:
+                    sets: Mapping[str, Sequence[Task]], cfg: EvalConfig,
+                    cache_root: Path | None = None, env: Environment | None = None) -> PolicyEval:
     """Generate and verify every non-empty set with `version` (refit in place when something must be
     generated). With `cache_root`, tasks this policy was already scored on with these settings
     reuse their recorded episodes, and newly scored ones are recorded (ops/evaluate/cache.py)."""
+    env = env or get_environment()
     sampling = SamplingConfig(group_size=cfg.samples, temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed)
     cache = EvalCache(cache_root, policy_key(model_dir, sampling.model_dump())) if cache_root is not None else None
     scores, samples, rows, seconds, tokens, reused = {}, {}, [], 0.0, 0, 0
@@ -158,8 +161,8 @@ def evaluate_policy(engine: RolloutEngine, tokenizer, model_dir: Path, version: 
         if todo:
             if engine.policy_version != version:
                 engine.load_weights(model_dir, version)
-            batch = generate_groups(engine, tokenizer, todo, sampling, cycle=0, require_version=version)
-            report = verify_rollouts(batch.rows, {t.task_id: t for t in todo})
+            batch = generate_groups(engine, tokenizer, todo, sampling, cycle=0, require_version=version, env=env)
+            report = verify_rollouts(batch.rows, {t.task_id: env.truth_record(t) for t in todo})
             reward = {(r["group_id"], r["sample_index"]): r for r in report.rows}
             fresh = []
             for r in batch.rows:

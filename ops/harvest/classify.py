@@ -2,12 +2,12 @@
 quarantined, duplicate, skipped success or harvested failure.
 
 Why it is shaped like this:
-- *Never drop silently.* A record that fails validation (by the sources), or names a model
-  version the registry does not know (here), is written to the harvest's quarantine file with
-  its reason and raw text, and counted. Conservation
+- *Never drop silently.* A record that fails validation (by the sources), names a model
+  version the registry does not know, or comes from another environment than the home's (here),
+  is written to the harvest's quarantine file with its reason and raw text, and counted. Conservation
   `read = harvested + duplicates + successes_skipped + quarantined` is checked before commit.
 - *Classification order.* Each valid record is, in this order: quarantined (unknown model
-  version), a duplicate (trace id seen before, in any earlier harvest or earlier in this one),
+  version; then another environment), a duplicate (trace id seen before, in any earlier harvest or earlier in this one),
   a skipped success (outcome success without negative feedback), or a harvested failure.
 - *Bounded memory.* Trace ids are kept as 64-bit hashes in sorted runs; per-trace failure rows
   are folded into per-signature aggregates every `COMPACT_ROWS` rows, so memory grows with
@@ -29,7 +29,9 @@ import pyarrow.compute as pc
 
 from ops.common.atomic import fsync_dir
 from ops.harvest.failures import failure_rows, merge_failures
-from ops.harvest.validation import np_bool
+from ops.envs import registered_environments
+from ops.envs.home import home_environment
+from ops.harvest.validation import np_bool, np_null
 
 RAW_LIMIT = 16 * 1024  # raw text kept per quarantined record
 COMPACT_ROWS = 100_000  # per-trace failure rows held before they are folded into aggregates
@@ -79,6 +81,7 @@ class HarvestBatch:
 
     def __init__(self, known_model_versions: frozenset[str], seen: np.ndarray, quarantine_tmp: Path, generation: int):
         self.known = pa.array(sorted(known_model_versions), pa.string())
+        self.environment = home_environment().name  # traces of another environment are quarantined
         self.seen = SeenIds(seen)
         self.counts = HarvestCounts()
         self.reasons: Counter[str] = Counter()
@@ -150,6 +153,7 @@ class HarvestBatch:
         if accepted.num_rows == 0:
             return
         accepted = self._known_versions_only(accepted.sort_by("_idx"), raw_of, line_of, source)
+        accepted = self._this_environment_only(accepted, raw_of, line_of, source)
         if accepted.num_rows == 0:
             return
         self.counts.read += accepted.num_rows
@@ -170,6 +174,21 @@ class HarvestBatch:
         for i in idx[~known]:
             self.quarantine(source, line_of(int(i)), "unknown_model_version", raw_of(int(i)))
         return accepted.filter(pa.array(known))
+
+    def _this_environment_only(self, accepted: pa.Table, raw_of, line_of, source: str) -> pa.Table:
+        """Quarantine records of another environment than the home's (a null one is the home's):
+        `unknown_environment` when no such environment is registered, else `environment_mismatch`."""
+        if "environment" not in accepted.column_names or accepted.num_rows == 0:
+            return accepted
+        names = accepted["environment"]
+        ok = np_null(names) | np_bool(pc.equal(names, self.environment))
+        if ok.all():
+            return accepted
+        known = set(registered_environments())
+        for i, name in zip(accepted["_idx"].to_numpy()[~ok], names.filter(pa.array(~ok)).to_pylist()):
+            reason = "environment_mismatch" if name in known else "unknown_environment"
+            self.quarantine(source, line_of(int(i)), reason, raw_of(int(i)))
+        return accepted.filter(pa.array(ok))
 
     def _first_sightings(self, accepted: pa.Table) -> pa.Table:
         """Count and drop duplicates (seen in an earlier harvest, or earlier in this one)."""

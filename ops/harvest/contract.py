@@ -30,14 +30,20 @@ Record (JSON object per line in `*.jsonl`, or a row of a `*.parquet` file with `
                                               with negative feedback is harvested as a failure
     usage           {prompt_tokens,           token usage of the episode
                      completion_tokens} | null
+    environment     str | null                the environment (ops/envs) whose agent served the
+                                              episode; null: the harvesting home's environment.
+                                              A trace of an environment that is not registered,
+                                              or not the one the home trains, is quarantined
+                                              (`unknown_environment`, `environment_mismatch`)
     task            {task_id?, expression?,   optional ground-truth hints from a system that has
                      answer?} | null          them (the simulator does). A real production system
                                               does not know the answer, so `answer` is optional
-                                              and never trusted: `ops.tasks.training_tasks` derives
-                                              ground truth from the verifier spec. For the
+                                              and never trusted: the environment derives ground
+                                              truth (`Environment.ground_truth`). For the
                                               calculator world that is `calc(expression)`, with
                                               the expression parsed from the question by the
-                                              family's template (`ops.tasks.task_world.FAMILIES`).
+                                              family's template (`ops.tasks.task_world.FAMILIES`);
+                                              `expression` is the environment's reference hint.
 
 A null field means the same as an absent one (Arrow cannot tell them apart): optional fields take
 their default, required ones are missing. Unknown extra fields are ignored (a newer producer may add fields without breaking this reader).
@@ -46,7 +52,7 @@ harvester never reads a half-written file; once visible, a landing file is immut
 appended to a JSONL file later are harvested from the stored offset).
 
 MLflow traces are a second transport of the same contract: `record_from_mlflow_trace` maps one
-(tags `perpetua.model_version`, `perpetua.family`, optional `perpetua.outcome`,
+(tags `perpetua.model_version`, `perpetua.family`, optional `perpetua.outcome`, `perpetua.environment`,
 `perpetua.task_id`, `perpetua.expression`, `perpetua.answer`; root span inputs `question`,
 outputs `answer`; TOOL spans are tool calls; LLM spans, where the agent traced them, are the
 assistant turns; an ERROR trace is outcome=error; a feedback assessment named
@@ -150,6 +156,8 @@ class TraceRecord(_Strict):
     feedback: Annotated[Feedback | None, Field(description="User feedback, if any.")] = None
     usage: Annotated[TokenUsage | None, Field(description="Token usage, if measured.")] = None
     task: Annotated[TaskRef | None, Field(description="Ground-truth hints, if the producer has them.")] = None
+    environment: Annotated[str | None, Field(min_length=1, max_length=128, description="The environment that served "
+                                             "the episode (ops/envs); null: the harvesting home's.")] = None
 
 
 # The Arrow form of the contract (Parquet landing files). Field order and names equal TraceRecord's.
@@ -178,6 +186,7 @@ def _traces_schema(timestamp_type: pa.DataType) -> pa.Schema:
             ("feedback", _FEEDBACK),
             ("usage", _USAGE),
             ("task", _TASK),
+            ("environment", pa.string()),
         ],
         metadata={"perpetua.table": "traces", "perpetua.version": TRACE_CONTRACT_VERSION},
     )
@@ -359,7 +368,7 @@ def record_from_mlflow_trace(trace: Any, feedback_name: str = MLFLOW_FEEDBACK_NA
         "error_type": error_type,
         "feedback": feedback,
     }
-    for key in ("model_version", "family"):
+    for key in ("model_version", "family", "environment"):
         if f"perpetua.{key}" in tags:
             record[key] = tags[f"perpetua.{key}"]
     task = {k: tags[f"perpetua.{k}"] for k in ("task_id", "expression", "answer") if f"perpetua.{k}" in tags}

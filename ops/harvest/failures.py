@@ -1,6 +1,7 @@
 """The harvested failures table: one row per unique failing task, and how rows are merged.
 
-Why dedup by task: failures are grouped by `ops.tasks.task_world.normalize_question`, so a
+Why dedup by task: failures are grouped by the environment's `signature` of the question (ops/envs;
+case and whitespace do not make a new task in the calculator world), so a
 question that fails a thousand times is one training task with a thousand source trace ids.
 The same merge folds a harvest's per-trace rows into per-signature aggregates (bounded memory)
 and a harvest's batch into the table of all failures so far.
@@ -23,7 +24,8 @@ from ops.common.atomic import atomic_path
 from ops.common.paths import Home, home as default_home
 from ops.common.tables import read_table, table_hash
 from ops.harvest.state import load_cursor, state_dir
-from ops.tasks.task_world import normalize_question, task_id_for
+from ops.envs import Environment
+from ops.envs.home import home_environment
 
 HARVESTED_FAILURES_VERSION = "1"
 
@@ -32,8 +34,8 @@ HARVESTED_FAILURES_VERSION = "1"
 # lineage: `trace_ids` are every production trace that failed on this signature, in order.
 HARVESTED_FAILURES = pa.schema(
     [
-        ("signature", pa.string()),  # ops.tasks.task_world.normalize_question(question)
-        ("task_id", pa.string()),  # ops.tasks.task_world.task_id_for(question)
+        ("signature", pa.string()),  # Environment.signature(question)
+        ("task_id", pa.string()),  # Environment.task_id_for(question)
         ("family", pa.string()),
         ("question", pa.string()),  # the first production phrasing seen
         ("expression_hint", pa.string()),
@@ -115,9 +117,10 @@ def failure_type(outcome: str, error_type: str | None, finish_reason: str | None
     return "wrong_answer"
 
 
-def failure_rows(failures: pa.Table, generation: int) -> pa.Table:
+def failure_rows(failures: pa.Table, generation: int, env: Environment | None = None) -> pa.Table:
     """Accepted failure records (`ops.harvest.validation.ACCEPTED`) -> HARVESTED_FAILURES rows
-    of one trace each; `merge_failures` folds them by signature."""
+    of one trace each, signed by the environment (the home's by default); `merge_failures` folds
+    them by signature."""
     n = failures.num_rows
     types = [
         failure_type(o, e, f, t, a)
@@ -131,8 +134,9 @@ def failure_rows(failures: pa.Table, generation: int) -> pa.Table:
     ]
     questions = failures["question"]
     unique_q = pc.unique(questions)  # normalising is per question text, not per trace
-    sig_of = pa.array([normalize_question(q) for q in unique_q.to_pylist()], pa.string())
-    tid_of = pa.array([task_id_for(q) for q in unique_q.to_pylist()], pa.string())
+    env = env or home_environment()
+    sig_of = pa.array([env.signature(q) for q in unique_q.to_pylist()], pa.string())
+    tid_of = pa.array([env.task_id_for(q) for q in unique_q.to_pylist()], pa.string())
     pos = pc.index_in(questions, value_set=unique_q)
     singleton = pa.array(np.arange(n + 1, dtype=np.int32))
     gen = pa.array(np.full(n, generation, np.int32))

@@ -84,6 +84,8 @@ class TraceLogger:
         t = start_ms * 1_000_000
         tags = {"perpetua.model_version": record.model_version, "perpetua.family": record.family,
                 "perpetua.outcome": record.outcome}  # fmt: skip
+        if record.environment:
+            tags[tracking.TAG_ENVIRONMENT] = record.environment
         if record.task is not None:
             tags |= {f"perpetua.{k}": str(v) for k in TASK_TAGS if (v := getattr(record.task, k, None)) is not None}
         metadata = {"mlflow.modelId": self.sink.model_id} if self.sink.model_id else None

@@ -1,8 +1,9 @@
 """The production simulator: traffic against the served champion, written as production traces.
 
 Production is the loop's source of new failures. Here it is simulated: a traffic generator
-draws tasks from the task world with a family mix that drifts over production time t in
-[0, 1] (`task_world.production_mix(t)`: new phrasings and operators appear and grow), every
+draws tasks from the environment (ops/envs; the calculator world by default) with a family mix
+that drifts over production time t in [0, 1] (`Environment.production_mix(t)`: new families
+appear and grow), every
 request runs as a tool episode on the serving engine (the vLLM server, through
 ops.rollout.server.ServerEngine: the same episode loop as training rollouts), is checked, and
 becomes a trace record (ops.harvest.contract contract v1), where the harvester picks up the
@@ -10,8 +11,9 @@ failures: a file in PERPETUA_HOME/landing/, or an MLflow trace in the tracking s
 (`ops.harvest.mlflow_sink`, as an agent instrumented with MLflow tracing logs its traffic). The failure rate per family over time is the production signal the
 demo reports (drift families fail until training catches up).
 
-The check is pluggable (`verify`); the default compares the final answer with the task's
-ground truth. Requests go out in waves of `wave_size` concurrent episodes, written when the wave
+The check is pluggable (`verify`); the default is the environment's production check
+(`Environment.answer_matches`: the final answer against the task's ground truth). Requests go
+out in waves of `wave_size` concurrent episodes, written when the wave
 ends (one landing file per wave; traces appear while the simulation runs, as real traffic would).
 """
 
@@ -28,18 +30,19 @@ from typing import Annotated, Callable
 
 from pydantic import BaseModel, Field
 
-from ops.tasks import task_world
+from ops.envs import Environment, get_environment
+from ops.tasks.task_world import Task
 from ops.rollout.engine import PolicyVersionError, RolloutEngine
 from ops.rollout.episodes import Episode, EpisodeRunner, EpisodeConfig
 from ops.harvest.contract import TraceRecord, write_traces
 from ops.harvest.mlflow_sink import MlflowTraceSink, TraceLogger
 
-Verify = Callable[[task_world.Task, Episode], bool]
+Verify = Callable[[Task, Episode], bool]
 
 
-def answer_matches(task: task_world.Task, episode: Episode) -> bool:
-    """The default check: the episode answered, and the answer is the ground truth."""
-    return episode.finish_reason == "answer" and episode.final_answer == task.answer
+def production_check(env: Environment) -> Verify:
+    """The default check: the episode answered, and the environment accepts the answer."""
+    return lambda task, episode: episode.finish_reason == "answer" and env.answer_matches(task, episode.final_answer)
 
 
 class SimulatorConfig(BaseModel):
@@ -90,18 +93,19 @@ class SimulationResult:
 
 
 class Traffic:
-    """Tasks as production sends them: family by the drifting mix, operands at random."""
+    """Tasks as production sends them: family by the drifting mix, the task itself at random."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, env: Environment | None = None) -> None:
         self.rng = random.Random(f"traffic:{seed}")
         self.seed = seed
         self.count = 0
+        self.env = env or get_environment()
 
-    def task_at(self, t: float) -> task_world.Task:
-        mix = task_world.production_mix(t)
+    def task_at(self, t: float) -> Task:
+        mix = self.env.production_mix(t)
         family = self.rng.choices(list(mix), weights=list(mix.values()))[0]
         self.count += 1
-        (task,) = task_world.generate_tasks(family, 1, seed=self.rng.getrandbits(31))
+        (task,) = self.env.generate_tasks(family, 1, seed=self.rng.getrandbits(31))
         return task
 
 
@@ -111,20 +115,23 @@ def run_simulation(
     traces_to: Path | MlflowTraceSink,
     cfg: SimulatorConfig | None = None,
     *,
-    verify: Verify = answer_matches,
+    verify: Verify | None = None,
+    env: Environment | None = None,
     log: Callable[[str], None] = lambda line: None,
 ) -> SimulationResult:
-    """Send the traffic, write the traces (to a landing folder, or to MLflow), and report
-    failure rates by family over time."""
+    """Send the traffic of environment `env`, write the traces (to a landing folder, or to MLflow),
+    and report failure rates by family over time."""
     cfg = cfg or SimulatorConfig()
+    env = env or get_environment()
+    verify = verify or production_check(env)
     mlflow = TraceLogger(traces_to) if isinstance(traces_to, MlflowTraceSink) else None
     if cfg.requests is None and cfg.duration_s is None:
         raise ValueError("give a number of requests or a duration")
     policy_version = engine.check_version(None)
     model_version = cfg.model_version or str(policy_version)
-    runner = EpisodeRunner(engine, tokenizer)
+    runner = EpisodeRunner(engine, tokenizer, env)
     settings = EpisodeConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens)
-    traffic = Traffic(cfg.seed)
+    traffic = Traffic(cfg.seed, env)
     records, times, files = [], [], []
     start = time.monotonic()
     sent, stopped = 0, None
@@ -145,7 +152,7 @@ def run_simulation(
             stopped = f"the served policy changed: {e}"
             log(f"stopping: {stopped}")
             break
-        wave = [trace_record(ep, model_version, verify) for ep in episodes]
+        wave = [trace_record(ep, model_version, verify, env) for ep in episodes]
         if mlflow is not None:
             wave = mlflow.log(wave, wave_start)
             where = f"{len(wave)} MLflow traces"
@@ -159,7 +166,7 @@ def run_simulation(
         log(f"t={wave_t[0]:.2f}-{wave_t[-1]:.2f}: {n} requests, {fails} failed -> {where}")
     result = SimulationResult(records, times, files, time.monotonic() - start, model_version, policy_version,
                               stopped_early=stopped, traces_to="landing" if mlflow is None else f"mlflow:{traces_to.experiment}")
-    result.failure_rate, result.by_family = failure_rates(records, times, cfg.windows)
+    result.failure_rate, result.by_family = failure_rates(records, times, cfg.windows, env)
     return result
 
 
@@ -175,14 +182,15 @@ def _episode_seed(seed: int, index: int) -> int:
     return random.Random(f"episode:{seed}:{index}").getrandbits(31)
 
 
-def trace_record(ep: Episode, model_version: str, verify: Verify) -> TraceRecord:
+def trace_record(ep: Episode, model_version: str, verify: Verify, env: Environment | None = None) -> TraceRecord:
     """One episode as a production trace (ops.harvest.contract contract)."""
+    env = env or get_environment()
     task = ep.task
     messages = [{"role": "user", "content": task.question}]
     calls = iter(ep.tool_calls)
     for line in ep.model_lines:
         messages.append({"role": "assistant", "content": line})
-        if task_world.parse_action(line).kind == "call":
+        if env.parse_action(line).kind == "call":
             call = next(calls, None)
             if call is not None:
                 messages.append({"role": "tool", "content": call.result if call.error is None else f"error: {call.error}"})
@@ -197,17 +205,19 @@ def trace_record(ep: Episode, model_version: str, verify: Verify) -> TraceRecord
         family=task.family,
         question=task.question,
         messages=messages,
-        tool_calls=[{"name": "calc", "arguments": c.expression, "result": c.result, "error": c.error} for c in ep.tool_calls],
+        tool_calls=[{"name": c.tool, "arguments": c.expression, "result": c.result, "error": c.error} for c in ep.tool_calls],
         final_answer=ep.final_answer,
         finish_reason=ep.finish_reason,
         outcome=outcome,
         error_type=error_type,
         usage={"prompt_tokens": len(ep.prompt_ids), "completion_tokens": ep.completion_tokens},
         task={"task_id": task.task_id, "expression": task.expression, "answer": task.answer},
+        environment=env.name,
     )
 
 
-def failure_rates(records: list[TraceRecord], times: list[float], windows: int) -> tuple[list[dict], dict[str, dict]]:
+def failure_rates(records: list[TraceRecord], times: list[float], windows: int,
+                  env: Environment | None = None) -> tuple[list[dict], dict[str, dict]]:
     """Failure rate (outcome != success) per family, per window of production time, and overall."""
     cells: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0])
     totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -217,7 +227,7 @@ def failure_rates(records: list[TraceRecord], times: list[float], windows: int) 
         for key, table in (((w, r.family), cells), (r.family, totals)):
             table[key][0] += 1
             table[key][1] += failed
-    kind = {name: fam.kind for name, fam in task_world.FAMILIES.items()}
+    kind = {name: fam.kind for name, fam in (env or get_environment()).families.items()}
     rows = [
         {"window": w, "t_start": round(w / windows, 4), "t_end": round((w + 1) / windows, 4), "family": fam,
          "kind": kind.get(fam, "unknown"), "requests": n, "failures": f, "rate": round(f / n, 4)}

@@ -39,6 +39,7 @@ ACCEPTED = pa.schema(
         ("negative_feedback", pa.bool_()),
         ("task_expression", pa.string()),
         ("task_answer", pa.string()),
+        ("environment", pa.string()),
     ]
 )
 
@@ -77,6 +78,8 @@ def _invalid_rows(t: pa.Table) -> np.ndarray:
     bad |= list_items_any(t["tool_calls"], n, lambda f: np_null(f) | np_null(pc.struct_field(f, "arguments"))
                           | ~np_bool(pc.greater(pc.utf8_length(pc.struct_field(f, "name")), 0)))
     bad |= ~np_bool(pc.is_in(t["outcome"], value_set=pa.array(["success", "failure", "error"])))
+    env_length = pc.utf8_length(t["environment"])
+    bad |= np_bool(pc.equal(env_length, 0)) | np_bool(pc.greater(env_length, 128))
     fb = t["feedback"]
     bad |= np_valid(fb) & ~np_bool(pc.is_in(pc.struct_field(fb, "rating"), value_set=pa.array(["positive", "negative"])))
     usage = t["usage"]
@@ -125,6 +128,7 @@ def _accepted_table(ok: pa.Table, ts: pa.Array) -> pa.Table:
             "negative_feedback": pa.array(np_bool(pc.equal(pc.struct_field(ok["feedback"], "rating"), "negative"))),
             "task_expression": pc.struct_field(task, "expression"),
             "task_answer": pc.struct_field(task, "answer"),
+            "environment": ok["environment"],
         },
         schema=ACCEPTED,
     )
@@ -148,6 +152,7 @@ def records_table(items: list[tuple[int, TraceRecord]]) -> pa.Table:
             "negative_feedback": r.feedback is not None and r.feedback.rating == "negative",
             "task_expression": r.task.expression if r.task else None,
             "task_answer": r.task.answer if r.task else None,
+            "environment": r.environment,
         }
         for i, r in items
     ]

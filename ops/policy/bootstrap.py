@@ -12,6 +12,7 @@ from typing import Annotated, Callable
 import torch
 from pydantic import BaseModel, Field
 
+from ops.envs import Environment, get_environment
 from ops.policy import checkpoint
 
 from ops.policy import hf_convert
@@ -38,8 +39,12 @@ class BootstrapResult:
     num_parameters: int
 
 
-def bootstrap_base_policy(out_dir: Path, cfg: BootstrapConfig, log: Callable[[dict], None] = lambda m: None) -> BootstrapResult:
-    """Train the base policy from scratch into `out_dir` (hf/ and checkpoint/ inside)."""
+def bootstrap_base_policy(out_dir: Path, cfg: BootstrapConfig, log: Callable[[dict], None] = lambda m: None,
+                          env: Environment | None = None) -> BootstrapResult:
+    """Train the base policy of environment `env` (the calculator world by default) from scratch into
+    `out_dir` (hf/ and checkpoint/ inside): its tokenizer on the environment's text, SFT on its
+    bootstrap families."""
+    env = env or get_environment()
     if cfg.preset not in PRESETS:
         raise ValueError(f"unknown preset {cfg.preset!r}; choose one of {sorted(PRESETS)}")
     if cfg.threads:
@@ -47,30 +52,32 @@ def bootstrap_base_policy(out_dir: Path, cfg: BootstrapConfig, log: Callable[[di
     pcfg = PRESETS[cfg.preset]
     out_dir = Path(out_dir)
     tok_dir = out_dir / "tokenizer"
-    tok_lib.save_hf_tokenizer(tok_lib.train_tokenizer(pcfg.vocab_size, seed=cfg.seed), tok_dir,
+    tok_lib.save_hf_tokenizer(tok_lib.train_tokenizer(pcfg.vocab_size, seed=cfg.seed, env=env), tok_dir,
                               model_max_length=pcfg.max_position_embeddings)
     tokenizer = tok_lib.load_hf_tokenizer(tok_dir)
 
     init_single_process(cfg.seed)
     model = build_model(pcfg, seed=cfg.seed)
-    result = train_sft(model, tokenizer, cfg.sft, log=log)
+    result = train_sft(model, tokenizer, cfg.sft, log=log, env=env)
 
     sd = checkpoint.global_state_dict(model, pcfg.num_experts)
     # v0 is rebuilt in place when its config or code changes: the new one replaces the old
     ckpt = checkpoint.save(out_dir / "checkpoint", 0, sd, meta={"policy_version": 0, "preset": pcfg.name,
                                                                "policy_config": pcfg.model_dump()}, replace=True)
-    hf_dir = hf_convert.export_hf(pcfg, sd, out_dir / "hf", tokenizer, extra={"perpetua_policy_version": 0}, replace=True)
+    hf_dir = hf_convert.export_hf(pcfg, sd, out_dir / "hf", tokenizer, replace=True,
+                                  extra={"perpetua_policy_version": 0, "perpetua_environment": env.identity()})
     (out_dir / "bootstrap.json").write_text(json.dumps(result.to_dict(), indent=2))
     return BootstrapResult(hf_dir, ckpt, result, pcfg.num_parameters)
 
 
-def random_policy(out_dir: Path, seed: int = 1234, preset: str = "tiny", version: int | None = 0) -> Path:
+def random_policy(out_dir: Path, seed: int = 1234, preset: str = "tiny", version: int | None = 0,
+                  env: Environment | None = None) -> Path:
     """An untrained policy of `preset`, exported like every policy is (tokenizer/ and hf/ in
-    `out_dir`): for parity checks, benchmarks and tests. `version` goes into config.json as
-    `perpetua_policy_version` (None leaves it out)."""
+    `out_dir`, the tokenizer trained on `env`'s text): for parity checks, benchmarks and tests.
+    `version` goes into config.json as `perpetua_policy_version` (None leaves it out)."""
     pcfg = PRESETS[preset]
     out_dir = Path(out_dir)
-    tok_lib.save_hf_tokenizer(tok_lib.train_tokenizer(pcfg.vocab_size), out_dir / "tokenizer")
+    tok_lib.save_hf_tokenizer(tok_lib.train_tokenizer(pcfg.vocab_size, env=env), out_dir / "tokenizer")
     tokenizer = tok_lib.load_hf_tokenizer(out_dir / "tokenizer")
     init_single_process()
     model = build_model(pcfg, seed=seed)

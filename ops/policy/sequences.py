@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ops.tasks import task_world
+from ops.envs import Environment, get_environment
+from ops.tasks.task_world import Task
 
 
 @dataclass
@@ -25,11 +26,12 @@ class Sequence:
         return self.prompt_ids + self.completion_ids
 
 
-def solution_sequence(task: task_world.Task, tokenizer, eos: bool = True) -> Sequence:
-    """The ideal episode of a task, tokenized turn by turn (model turns masked in)."""
-    prompt = tokenizer.encode(task_world.prompt_text(task))
+def solution_sequence(task: Task, tokenizer, eos: bool = True, env: Environment | None = None) -> Sequence:
+    """The ideal episode of a task in its environment, tokenized turn by turn (model turns masked in)."""
+    env = env or get_environment()
+    prompt = tokenizer.encode(env.prompt_text(task))
     completion, mask = [], []
-    for role, text in task_world.solution_turns(task):
+    for role, text in env.solution_turns(task):
         ids = tokenizer.encode(text, add_special_tokens=False)
         completion += ids
         mask += [1 if role == "model" else 0] * len(ids)

@@ -17,7 +17,8 @@ from typing import Annotated, Callable
 import torch
 from pydantic import BaseModel, Field
 
-from ops.tasks import task_world
+from ops.envs import Environment, get_environment
+from ops.tasks.task_world import Task
 from ops.tasks.split import is_held_out, split_of
 from ops.policy.model import forward_logits
 from ops.policy.sequences import Sequence, collate, solution_sequence
@@ -46,14 +47,15 @@ class SFTResult:
     final_loss: float
     success: dict[str, float]  # family -> greedy success rate (bootstrap and drift)
     history: list[dict] = field(default_factory=list)
+    environment: str = "calculator"
 
     @property
     def bootstrap_success(self) -> float:
-        return _mean([self.success[f] for f in task_world.BOOTSTRAP_FAMILIES])
+        return _mean([self.success[f] for f in get_environment(self.environment).bootstrap_families])
 
     @property
     def drift_success(self) -> float:
-        return _mean([self.success[f] for f in task_world.DRIFT_FAMILIES])
+        return _mean([self.success[f] for f in get_environment(self.environment).drift_families])
 
     def to_dict(self) -> dict:
         return asdict(self) | {"bootstrap_success": self.bootstrap_success, "drift_success": self.drift_success}
@@ -73,13 +75,13 @@ def masked_nll(model, tokens: torch.Tensor, target_mask: torch.Tensor) -> torch.
 
 
 @torch.no_grad()
-def greedy_success(model, tokenizer, tasks: list[task_world.Task], batch_size: int = 128) -> float:
+def greedy_success(model, tokenizer, tasks: list[Task], batch_size: int = 128, env: Environment | None = None) -> float:
     """Share of tasks whose ideal episode is the model's greedy continuation (teacher forced)."""
     was_training = model.training
     model.eval()
     solved = 0
     for i in range(0, len(tasks), batch_size):
-        seqs = [solution_sequence(t, tokenizer, eos=False) for t in tasks[i : i + batch_size]]
+        seqs = [solution_sequence(t, tokenizer, eos=False, env=env) for t in tasks[i : i + batch_size]]
         batch, _ = collate(seqs, pad_id=tokenizer.pad_token_id)
         pred = forward_logits(model, batch.tokens)[:, :-1].argmax(-1)
         wrong = ((pred != batch.tokens[:, 1:]).float() * batch.target_mask).sum(-1)
@@ -88,33 +90,37 @@ def greedy_success(model, tokenizer, tasks: list[task_world.Task], batch_size: i
     return solved / max(1, len(tasks))
 
 
-def success_by_family(model, tokenizer, eval_tasks: dict[str, list[task_world.Task]]) -> dict[str, float]:
-    return {f: greedy_success(model, tokenizer, ts) for f, ts in eval_tasks.items()}
+def success_by_family(model, tokenizer, eval_tasks: dict[str, list[Task]], env: Environment | None = None) -> dict[str, float]:
+    return {f: greedy_success(model, tokenizer, ts, env=env) for f, ts in eval_tasks.items()}
 
 
-def sft_corpus(cfg: SFTConfig) -> list[task_world.Task]:
+def sft_corpus(cfg: SFTConfig, env: Environment | None = None) -> list[Task]:
     """The SFT training tasks: bootstrap-family tasks in the train split only (ops/tasks/split.py),
     so no task any eval set can draw is ever in the corpus."""
-    return [t for f in task_world.BOOTSTRAP_FAMILIES for t in task_world.generate_tasks(f, cfg.tasks_per_family, cfg.seed)
+    env = env or get_environment()
+    return [t for f in env.bootstrap_families for t in env.generate_tasks(f, cfg.tasks_per_family, cfg.seed)
             if split_of(t.task_id) == "train"]
 
 
-def sft_eval_tasks(cfg: SFTConfig) -> dict[str, list[task_world.Task]]:
+def sft_eval_tasks(cfg: SFTConfig, env: Environment | None = None) -> dict[str, list[Task]]:
     """Held-out tasks for every family, drawn with their own seed: SFT stops on them, so they are
     kept apart from the eval sets' draw as well as from the corpus."""
+    env = env or get_environment()
     out = {}
-    for f in task_world.FAMILIES:
-        cands = task_world.generate_tasks(f, cfg.eval_tasks_per_family * 10, cfg.seed + 10_000)
+    for f in env.families:
+        cands = env.generate_tasks(f, cfg.eval_tasks_per_family * 10, cfg.seed + 10_000)
         out[f] = [t for t in cands if is_held_out(t.task_id)][: cfg.eval_tasks_per_family]
     return out
 
 
-def train_sft(model, tokenizer, cfg: SFTConfig, log: Callable[[dict], None] = lambda m: None) -> SFTResult:
-    """Fine-tune `model` in place on the bootstrap families until the target success rate."""
+def train_sft(model, tokenizer, cfg: SFTConfig, log: Callable[[dict], None] = lambda m: None,
+              env: Environment | None = None) -> SFTResult:
+    """Fine-tune `model` in place on the environment's bootstrap families until the target success rate."""
+    env = env or get_environment()
     rng = random.Random(cfg.seed)
-    train = sft_corpus(cfg)
-    seqs: list[Sequence] = [solution_sequence(t, tokenizer) for t in train]
-    eval_tasks = sft_eval_tasks(cfg)
+    train = sft_corpus(cfg, env)
+    seqs: list[Sequence] = [solution_sequence(t, tokenizer, env=env) for t in train]
+    eval_tasks = sft_eval_tasks(cfg, env)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -134,13 +140,13 @@ def train_sft(model, tokenizer, cfg: SFTConfig, log: Callable[[dict], None] = la
         tokens += batch.n_target_tokens
         loss_value = float(loss.item())
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            success = success_by_family(model, tokenizer, eval_tasks)
+            success = success_by_family(model, tokenizer, eval_tasks, env)
             entry = {"step": step, "loss": loss_value, "seconds": time.perf_counter() - start} | {
                 f"success/{f}": v for f, v in success.items()
             }
             history.append(entry)
             log(entry)
-            if all(success[f] >= cfg.target_success for f in task_world.BOOTSTRAP_FAMILIES):
+            if all(success[f] >= cfg.target_success for f in env.bootstrap_families):
                 break
     model.eval()
-    return SFTResult(step, time.perf_counter() - start, tokens, loss_value, success, history)
+    return SFTResult(step, time.perf_counter() - start, tokens, loss_value, success, history, env.name)

@@ -1,4 +1,5 @@
-"""The embedded default's tokenizer: byte-level BPE trained locally on the task world's text.
+"""The embedded default's tokenizer: byte-level BPE trained locally on the environment's text
+(`Environment.corpus_text`, ops/envs; the calculator world by default).
 
 Two choices make token-in/token-out episodes exact: the newline is always a token of its own
 (every model turn and tool result is one line, and generation stops on it), and digits are
@@ -10,14 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ops.tasks import task_world
+from ops.envs import Environment, get_environment
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
 
 
-def train_tokenizer(vocab_size: int = 512, seed: int = 0):
-    """A `tokenizers.Tokenizer` trained on the task world corpus (every family, solved)."""
+def train_tokenizer(vocab_size: int = 512, seed: int = 0, env: Environment | None = None):
+    """A `tokenizers.Tokenizer` trained on the environment's corpus (every family, solved)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=UNK))
@@ -35,7 +36,7 @@ def train_tokenizer(vocab_size: int = 512, seed: int = 0):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(task_world.corpus_text(seed=seed), trainer=trainer)
+    tok.train_from_iterator((env or get_environment()).corpus_text(seed=seed), trainer=trainer)
     # Reserved tokens fill the vocabulary to the model's size, so every id the policy can sample
     # decodes to something (and an episode that samples one is simply wrong, not a crash).
     reserved = [f"<reserved_{i}>" for i in range(vocab_size - tok.get_vocab_size())]

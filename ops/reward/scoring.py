@@ -151,6 +151,7 @@ def _row(item: Mapping, verifier: str, version: str, v: Verification, isolation:
         "verifier": verifier, "verifier_version": version, "reward": float(v.reward), "outcome": Outcome(v.outcome).value,
         "details": json.dumps(v.details, sort_keys=True, default=str), "flagged": bool(v.flagged),
         "seconds": float(v.seconds),
+        "environment": item.get("environment") or "calculator", "environment_version": item.get("environment_version") or "1",
     }
 
 
@@ -221,7 +222,8 @@ def _items(rollouts: pa.Table | Iterable[Mapping]) -> list[Mapping]:
     missing = [c for c in _ITEM_COLUMNS if c not in rollouts.column_names]
     if missing:
         raise ValueError(f"rollouts table lacks columns {missing}")
-    return rollouts.select(_ITEM_COLUMNS).to_pylist()
+    extra = [c for c in ("environment", "environment_version") if c in rollouts.column_names]
+    return rollouts.select(_ITEM_COLUMNS + extra).to_pylist()
 
 
 def _route(items: list[Mapping], tasks: Mapping[str, Any], isolation: str):

@@ -37,6 +37,7 @@ from pydantic import BaseModel, Field
 from ops.rollout.curriculum import CurriculumConfig, History, TaskChoice, choose_tasks
 from ops.rollout.engine import RolloutEngine
 from ops.rollout.groups import SamplingConfig, generate_groups, reference_rows
+from ops.envs import Environment
 from ops.tasks.task_world import Task
 
 # rows -> reward per row (None when the verification itself failed)
@@ -114,6 +115,7 @@ def sample_informative(
     *,
     cycle: int,
     version: int,
+    env: Environment | None = None,
     log: Callable[[str], None] = lambda _: None,
 ) -> DynamicBatch:
     """The cycle's rollouts: rounds of choose, sample, screen, guide (see the module docstring)."""
@@ -133,14 +135,14 @@ def sample_informative(
         for t in tasks:
             del remaining[t.task_id]
         batch = generate_groups(engine, tokenizer, tasks, sampling, cycle=cycle, require_version=version,
-                                sampling_round=rnd)
+                                sampling_round=rnd, env=env)
         out.generation_seconds += batch.seconds
         rows = batch.rows
         rewards = _timed(out, "screening_seconds", screen, rows)
         guided = _to_guide(tasks, rows, rewards, history, cfg.guide_after)
         if guided:
             extra = _timed(out, "generation_seconds", reference_rows, engine, tokenizer, guided, sampling, cycle=cycle,
-                           policy_version=version, sampling_round=rnd, samples=cfg.reference_samples)
+                           policy_version=version, sampling_round=rnd, samples=cfg.reference_samples, env=env)
             rewards += _timed(out, "screening_seconds", screen, extra)
             rows += extra
         informative = _informative_groups(rows, rewards)

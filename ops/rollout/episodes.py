@@ -1,8 +1,9 @@
-"""Multi-turn tool episodes of the calculator world, token-in/token-out.
+"""Multi-turn tool episodes of an environment (ops/envs), token-in/token-out.
 
-One episode: the prompt line, then model turns, each one line (`CALL calc(...)` or
-`ANSWER n`); after a CALL the environment runs the tool and appends its `RESULT ...` line.
-Every live episode's next turn goes into one engine call, so the engine batches them.
+One episode: the prompt line, then model turns, each one line (in the calculator world
+`CALL calc(...)` or `ANSWER n`), parsed by the environment; after a tool call the environment
+runs the tool and appends its result line (`RESULT ...`). Every live episode's next turn goes
+into one engine call, so the engine batches them.
 
 Token-exact by construction: the next turn's prompt is the previous prompt ids plus the
 sampled ids plus the tool line's ids (tokenized on its own, no special tokens). Model output is
@@ -12,7 +13,7 @@ of its own (ops.policy.tokenizer), so a turn ends exactly at it (a stop token).
 An episode ends with finish_reason
     answer          an ANSWER line (the answer may still be wrong: the verifier decides)
     invalid_action  a line that is neither action, or an end-of-sequence before an action
-    max_turns       MAX_TURNS model turns without an answer
+    max_turns       the environment's `max_turns` model turns without an answer
     max_tokens      the completion token budget (or the engine's context) ran out
     env_error       the environment broke (the tool raised unexpectedly, a prompt the engine
                     cannot take); `error` says how
@@ -25,27 +26,25 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable
-
-from ops.tasks import task_world
+from ops.envs import Action, Environment, get_environment
+from ops.tasks.task_world import Task
 from ops.rollout.engine import RolloutEngine, TurnRequest, TurnResult
 from ops.policy.tokenizer import newline_id
-
-Tool = Callable[[str], str]  # expression -> the RESULT line (with its newline)
 
 
 @dataclass
 class ToolCallRecord:
-    expression: str
+    expression: str  # the call's argument
     result: str | None  # the tool's value, None when it reported an error
     error: str | None
+    tool: str = "calc"
 
 
 @dataclass
 class Episode:
     """An episode in progress or done. The three per-token lists always have equal length."""
 
-    task: task_world.Task
+    task: Task
     sample_index: int
     seed: int
     prompt_ids: list[int]
@@ -56,6 +55,7 @@ class Episode:
     text_pieces: list[str] = field(default_factory=list)
     turns: int = 0
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    actions: list[Action] = field(default_factory=list)  # the tool calls as parsed (the tools' episode state)
     model_lines: list[str] = field(default_factory=list)
     final_answer: str | None = None
     finish_reason: str | None = None
@@ -102,21 +102,21 @@ def turn_seed(sample_seed: int, turn: int) -> int:
 
 
 class EpisodeRunner:
-    """Runs batches of episodes against one engine and one tokenizer."""
+    """Runs batches of episodes of one environment against one engine and one tokenizer."""
 
-    def __init__(self, engine: RolloutEngine, tokenizer, tool: Tool = task_world.tool_result_line) -> None:
+    def __init__(self, engine: RolloutEngine, tokenizer, env: Environment | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.tool = tool
+        self.env = env or get_environment()
         self.newline = newline_id(tokenizer)
         self.eos = tokenizer.eos_token_id
         self.stop_ids = tuple(t for t in (self.newline, self.eos) if t is not None)
 
-    def new_episode(self, task: task_world.Task, sample_index: int, seed: int) -> Episode:
-        text = task_world.prompt_text(task)
+    def new_episode(self, task: Task, sample_index: int, seed: int) -> Episode:
+        text = self.env.prompt_text(task)
         return Episode(task, sample_index, seed, self.tokenizer.encode(text), text)
 
-    def reference_episode(self, task: task_world.Task, sample_index: int, policy_version: int | None,
+    def reference_episode(self, task: Task, sample_index: int, policy_version: int | None,
                           settings: EpisodeConfig) -> Episode:
         """The task's known solution as an episode: its model lines are written, not sampled (behaviour
         log-probs 0.0, `source` "reference"), and the tool lines come from the environment's tool as
@@ -124,7 +124,7 @@ class EpisodeRunner:
         on its own, ending with the newline token, as the policy would emit it."""
         ep = self.new_episode(task, sample_index, seed=0)
         ep.source, ep.policy_version = "reference", policy_version
-        for role, text in task_world.solution_turns(task):
+        for role, text in self.env.solution_turns(task):
             if role != "model":
                 continue  # the tool answers the CALL line itself (below)
             line = text.rstrip("\n")
@@ -132,13 +132,13 @@ class EpisodeRunner:
             ep.append(ids, [0.0] * len(ids), True, line + "\n")
             ep.turns += 1
             ep.model_lines.append(line)
-            action = task_world.parse_action(line)
+            action = self.env.parse_action(line)
             if action.kind == "answer":
                 ep.final_answer = action.argument
                 ep.finish("answer")
                 break
             if action.kind == "call":
-                self._call_tool(ep, action.argument, settings)
+                self._call_tool(ep, action, settings)
                 if ep.done:
                     break
         if not ep.done:
@@ -165,7 +165,7 @@ class EpisodeRunner:
         return episodes
 
     def _next_request(self, ep: Episode, settings: EpisodeConfig) -> TurnRequest | None:
-        if ep.turns >= task_world.MAX_TURNS:
+        if ep.turns >= self.env.max_turns:
             ep.finish("max_turns")
             return None
         context = len(ep.prompt_ids) + len(ep.completion_ids)
@@ -203,28 +203,30 @@ class EpisodeRunner:
         if ended_by is None:  # ran out of tokens mid-line
             ep.finish("max_tokens")
             return
-        action = task_world.parse_action(line)
+        action = self.env.parse_action(line)
         if action.kind == "answer":
             ep.final_answer = action.argument
             ep.finish("answer")
         elif action.kind == "invalid" or ended_by == self.eos:
             ep.finish("invalid_action")
         else:
-            self._call_tool(ep, action.argument, settings)
+            self._call_tool(ep, action, settings)
 
-    def _call_tool(self, ep: Episode, expression: str, settings: EpisodeConfig) -> None:
+    def _call_tool(self, ep: Episode, action: Action, settings: EpisodeConfig) -> None:
+        prefix, expression = self.env.result_prefix, action.argument
         try:
-            result_line = self.tool(expression)
-            if not (result_line.startswith(task_world.RESULT_PREFIX) and result_line.endswith("\n")):
+            result_line = self.env.run_tool(ep.task, action, list(ep.actions))
+            if not (result_line.startswith(prefix) and result_line.endswith("\n") and result_line.count("\n") == 1):
                 raise ValueError(f"tool returned a malformed line {result_line!r}")
             ids = self.tokenizer.encode(result_line, add_special_tokens=False)
         except Exception as e:  # noqa: BLE001 - a broken environment is recorded, not raised
-            ep.tool_calls.append(ToolCallRecord(expression, None, f"{type(e).__name__}: {e}"))
+            ep.tool_calls.append(ToolCallRecord(expression, None, f"{type(e).__name__}: {e}", action.tool))
             ep.finish("env_error", f"tool raised {type(e).__name__}: {e}")
             return
-        value = result_line[len(task_world.RESULT_PREFIX) : -1]
+        value = result_line[len(prefix) : -1]
         failed = value.startswith("error: ")
-        ep.tool_calls.append(ToolCallRecord(expression, None if failed else value, value[7:] if failed else None))
+        ep.tool_calls.append(ToolCallRecord(expression, None if failed else value, value[7:] if failed else None, action.tool))
+        ep.actions.append(action)
         context = len(ep.prompt_ids) + len(ep.completion_ids) + len(ids)
         if len(ep.completion_ids) + len(ids) > settings.max_tokens or context > self.engine.max_model_len:
             ep.finish("max_tokens")  # the tool line would not fit: stop before it, tokens stay exact

@@ -21,9 +21,10 @@ from typing import Annotated
 import pyarrow as pa
 from pydantic import BaseModel, Field
 
-from ops.tasks import task_world
+from ops.envs import Environment, get_environment
+from ops.tasks.task_world import Task
 from ops.rollout.engine import RolloutEngine
-from ops.rollout.episodes import Episode, EpisodeRunner, EpisodeConfig, Tool
+from ops.rollout.episodes import Episode, EpisodeRunner, EpisodeConfig
 from ops.common.tables import ROLLOUTS
 
 
@@ -75,12 +76,12 @@ class RolloutBatch:
 def generate_groups(
     engine: RolloutEngine,
     tokenizer,
-    tasks: list[task_world.Task],
+    tasks: list[Task],
     cfg: SamplingConfig | None = None,
     *,
     cycle: int = 0,
     require_version: int | None = None,
-    tool: Tool = task_world.tool_result_line,
+    env: Environment | None = None,
     sampling_round: int = 0,
 ) -> RolloutBatch:
     """G episodes per task (rows in task order, then sample index), by the engine's policy."""
@@ -89,7 +90,8 @@ def generate_groups(
     if dupes := sorted(k for k, n in Counter(ids).items() if n > 1):
         raise ValueError(f"tasks must be distinct (one group per task and cycle); repeated task ids: {dupes[:5]}")
     loaded = engine.check_version(require_version)
-    runner = EpisodeRunner(engine, tokenizer, tool)
+    env = env or get_environment()
+    runner = EpisodeRunner(engine, tokenizer, env)
     episodes = [
         runner.new_episode(task, i, sample_seed(cfg.seed, cycle, task.task_id, i))
         for task in tasks
@@ -103,7 +105,7 @@ def generate_groups(
     for ep in episodes:
         if ep.policy_version is None:  # ended before sampling (e.g. prompt too long): the version held
             ep.policy_version = loaded
-    rows = [episode_row(ep, cycle, cfg, sampling_round) for ep in episodes]
+    rows = [episode_row(ep, cycle, cfg, sampling_round, env) for ep in episodes]
     versions = {r["policy_version"] for r in rows if r["policy_version"] is not None}
     return RolloutBatch(
         rows, seconds, versions.pop() if len(versions) == 1 else None, dict(Counter(r["finish_reason"] for r in rows))
@@ -113,29 +115,32 @@ def generate_groups(
 def reference_rows(
     engine: RolloutEngine,
     tokenizer,
-    tasks: list[task_world.Task],
+    tasks: list[Task],
     cfg: SamplingConfig,
     *,
     cycle: int,
     policy_version: int,
     sampling_round: int = 0,
     samples: int = 1,
-    tool: Tool = task_world.tool_result_line,
+    env: Environment | None = None,
 ) -> list[dict]:
     """`samples` reference episodes per task (the task's known solution, ops/rollout/episodes.py),
     as rows of the task's group: sample indices follow the G policy samples (G, G+1, ...)."""
-    runner = EpisodeRunner(engine, tokenizer, tool)
+    env = env or get_environment()
+    runner = EpisodeRunner(engine, tokenizer, env)
     settings = cfg.episode_settings()
     return [
         episode_row(runner.reference_episode(task, cfg.group_size + i, policy_version, settings), cycle, cfg,
-                    sampling_round)
+                    sampling_round, env)
         for task in tasks
         for i in range(samples)
     ]
 
 
-def episode_row(ep: Episode, cycle: int, cfg: SamplingConfig, sampling_round: int = 0) -> dict:
+def episode_row(ep: Episode, cycle: int, cfg: SamplingConfig, sampling_round: int = 0,
+                env: Environment | None = None) -> dict:
     """One ROLLOUTS row (plus `error`, the reason of an env_error / engine_error)."""
+    env = env or get_environment()
     return {
         "cycle": cycle,
         "task_id": ep.task.task_id,
@@ -163,6 +168,8 @@ def episode_row(ep: Episode, cycle: int, cfg: SamplingConfig, sampling_round: in
         "error": ep.error,
         "source": ep.source,
         "sampling_round": sampling_round,
+        "environment": env.name,
+        "environment_version": env.version,
     }
 
 

@@ -1,12 +1,12 @@
 """Harvested failures -> RL training tasks with a verifier spec, a held-out split and replay.
 
 Why it is shaped like this:
-- *Ground truth comes from the verifier spec, not from production.* A production system does
-  not know the right answer (`TraceRecord.task.answer` is only a hint). For the calculator
-  world the truth is `calc(expression)`, with the expression parsed out of the question by
-  the family's template (`ops.tasks.task_world.FAMILIES`); the producer's expression hint is used
-  only when the template does not match. A failure whose truth cannot be derived is counted
-  as unverifiable and left out (reported, never silently).
+- *Ground truth comes from the environment, not from production.* A production system does
+  not know the right answer (`TraceRecord.task.answer` is only a hint). The home's environment
+  (ops/envs) derives it (`Environment.ground_truth`): for the calculator world `calc(expression)`,
+  with the expression parsed out of the question by the family's template; and writes the
+  verifier spec. A failure whose truth cannot be derived is counted as unverifiable and left out
+  (reported, never silently).
 - *Held-out is a property of the task, not of the cycle.* `split_of(task_id)` (ops/tasks/split.py,
   the one rule every stage uses) hashes the id, so a task is held out in every cycle, whichever
   source it came from (production failure, bootstrap replay, an eval set); nothing held out can
@@ -23,9 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -36,16 +34,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from ops.common.atomic import atomic_path, atomic_write_text
 from ops.common.paths import Home, home as default_home
 from ops.common.tables import read_table, table_hash
-from ops.tasks.task_world import BOOTSTRAP_FAMILIES, FAMILIES, Task, ToolError, calc, generate_tasks, normalize_question
+from ops.envs import Environment, get_environment
+from ops.tasks.task_world import Task
 from ops.tasks.split import is_held_out, split_of
 
 TRAINING_TASKS_VERSION = "1"
 TRAINING_TASKS_CODE_VERSION = "training-tasks-1"  # bump when the same failures give other tasks
-VERIFIER = "calculator"
-VERIFIER_VERSION = "1"
 BOOTSTRAP_REPLAY_SEED = 1234
 EVAL_SEED = 4321
-ANSWER_PATTERN = r"^ANSWER (-?\d+)$"  # what ops.tasks.task_world.parse_action accepts as an answer
 
 # One row per task. `verifier_spec` (JSON) is everything the verifier needs: kind, version,
 # expression, expected answer, how the answer must be formatted, and where the truth came from.
@@ -90,61 +86,15 @@ class TrainingTaskSet:
         return [Task.from_dict(r) for r in rows if split is None or r["split"] == split]
 
 
-# ---- split and ground truth -------------------------------------------------------------------
-
-
-
-
-@lru_cache(maxsize=None)
-def _template_regex(family: str) -> re.Pattern:
-    template = normalize_question(FAMILIES[family].template)
-    parts = re.split(r"(\{[a-z]\})", template)
-    pattern = "".join(f"(?P<{p[1]}>-?\\d+)" if re.fullmatch(r"\{[a-z]\}", p) else re.escape(p) for p in parts)
-    return re.compile(pattern)
-
-
-def ground_truth(family: str, question: str, expression_hint: str | None = None) -> tuple[str, str, str] | None:
-    """(expression, answer, derived_from) for a question, or None if no truth can be derived.
-
-    derived_from is "template" (operands parsed by the family's template) or "expression_hint"."""
-    expression, derived_from = None, None
-    if family in FAMILIES:
-        m = _template_regex(family).fullmatch(normalize_question(question))
-        if m:
-            operands = {k: int(v) for k, v in m.groupdict().items()}
-            expression, derived_from = FAMILIES[family].expression.format(**{"c": 0, **operands}), "template"
-    if expression is None and expression_hint:
-        expression, derived_from = expression_hint, "expression_hint"
-    if expression is None:
-        return None
-    try:
-        return expression, calc(expression), derived_from
-    except ToolError:
-        return None
-
-
-def verifier_spec(expression: str, answer: str, derived_from: str) -> str:
-    return json.dumps(
-        {
-            "kind": VERIFIER,
-            "version": VERIFIER_VERSION,
-            "expression": expression,
-            "answer": answer,
-            "answer_pattern": ANSWER_PATTERN,
-            "ground_truth": f"calc(expression), expression from {derived_from}",
-        },
-        sort_keys=True,
-    )
-
-
 # ---- eval sets: held-out tasks only -----------------------------------------------------------
 
 
-def eval_tasks(families: list[str], n_per_family: int, seed: int = EVAL_SEED) -> list[Task]:
+def eval_tasks(families: list[str], n_per_family: int, seed: int = EVAL_SEED, env: Environment | None = None) -> list[Task]:
     """Up to `n_per_family` held-out tasks per family (never in any train split)."""
+    env = env or get_environment()
     out = []
     for fam in families:
-        pool = generate_tasks(fam, max(n_per_family * 10, 50), seed)
+        pool = env.generate_tasks(fam, max(n_per_family * 10, 50), seed)
         out += [t for t in pool if is_held_out(t.task_id)][:n_per_family]
     return out
 
@@ -153,10 +103,12 @@ def eval_tasks(families: list[str], n_per_family: int, seed: int = EVAL_SEED) ->
 
 
 def build_training_tasks(
-    failures: pa.Table, previous: pa.Table | None = None, settings: TrainingTaskConfig = TrainingTaskConfig()
+    failures: pa.Table, previous: pa.Table | None = None, settings: TrainingTaskConfig = TrainingTaskConfig(),
+    env: Environment | None = None,
 ) -> TrainingTaskSet:
     """Build this cycle's task set from all harvested failures (HARVESTED_FAILURES) and the
-    previous task set (TRAINING_TASKS with its metadata), if any."""
+    previous task set (TRAINING_TASKS with its metadata), if any, in environment `env`."""
+    env = env or get_environment()
     since = _consumed_generation(previous)
     counts = {"failures": failures.num_rows, "unverifiable": 0, "answer_hint_mismatch": 0}
     unverifiable: list[str] = []
@@ -164,7 +116,7 @@ def build_training_tasks(
     replay_pool: dict[str, dict] = {}
     newest = since
     for f in failures.to_pylist():
-        truth = ground_truth(f["family"], f["question"], f["expression_hint"])
+        truth = env.ground_truth(f["family"], f["question"], f["expression_hint"], f["answer_hint"])
         if truth is None:
             counts["unverifiable"] += 1
             unverifiable.append(f["task_id"])
@@ -174,14 +126,9 @@ def build_training_tasks(
             counts["answer_hint_mismatch"] += 1
         last_gen = int(f["last_generation"])
         newest = max(newest, last_gen)
+        task = Task(f["task_id"], f["family"], f["question"], expression, answer)
         row = {
-            "task_id": f["task_id"],
-            "family": f["family"],
-            "question": f["question"],
-            "expression": expression,
-            "answer": answer,
-            "verifier": VERIFIER,
-            "verifier_spec": verifier_spec(expression, answer, derived_from),
+            **env.truth_record(task, derived_from),
             "split": split_of(f["task_id"]),
             "source": "failure",
             "source_trace_ids": f["trace_ids"],
@@ -201,9 +148,9 @@ def build_training_tasks(
     n_replay = max(settings.min_replay, math.ceil(settings.replay_ratio * n_new))
     salt = hashlib.sha256(f"{settings.seed}:{since}:{','.join(sorted(rows))}".encode()).hexdigest()
     bootstrap_pool = {
-        t.task_id: _bootstrap_row(t)
-        for fam in BOOTSTRAP_FAMILIES
-        for t in generate_tasks(fam, settings.bootstrap_pool_per_family, BOOTSTRAP_REPLAY_SEED)
+        t.task_id: _bootstrap_row(t, env)
+        for fam in env.bootstrap_families
+        for t in env.generate_tasks(fam, settings.bootstrap_pool_per_family, BOOTSTRAP_REPLAY_SEED)
         if split_of(t.task_id) == "train" and t.task_id not in rows and t.task_id not in replay_pool
     }
     n_boot = round(n_replay * settings.bootstrap_share)
@@ -240,11 +187,9 @@ def _consumed_generation(previous: pa.Table | None) -> int:
     return int(meta.get(b"perpetua.harvest_generation", b"0"))
 
 
-def _bootstrap_row(t: Task) -> dict:
+def _bootstrap_row(t: Task, env: Environment) -> dict:
     return {
-        **t.to_dict(),
-        "verifier": VERIFIER,
-        "verifier_spec": verifier_spec(t.expression, t.answer, "template"),
+        **env.truth_record(t, "template"),
         "split": "train",
         "source": "replay_bootstrap",
         "source_trace_ids": [],
@@ -280,7 +225,8 @@ def read_training_tasks(path: Path) -> pa.Table:
 
 
 def build_and_write_training_tasks(
-    failures: pa.Table, settings: TrainingTaskConfig = TrainingTaskConfig(), home: Home | None = None
+    failures: pa.Table, settings: TrainingTaskConfig = TrainingTaskConfig(), home: Home | None = None,
+    env: Environment | None = None,
 ) -> tuple[TrainingTaskSet, Path]:
     """Build the next task set from the current failures and write it (atomically)."""
     h = home or default_home()
@@ -292,7 +238,7 @@ def build_and_write_training_tasks(
         # Pointers written before `trained_path` existed advanced on every build.
         previous_path = pointer.get("previous_path") if same_input else pointer.get("trained_path", pointer["path"])
     previous = read_training_tasks(Path(previous_path)) if previous_path else None
-    task_set = build_training_tasks(failures, previous, settings)
+    task_set = build_training_tasks(failures, previous, settings, env)
     folder = h.data / "training_tasks"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"tasks-{task_set.data_version}.parquet"

@@ -1,5 +1,6 @@
-"""`perpetua demo [--cycles N] [--summary FILE] [--db sqlite|postgres]`: the main job, on the embedded
-default (SQLite) or on a local PostgreSQL server (pipelines/commands/db.py)."""
+"""`perpetua demo [--cycles N] [--summary FILE] [--db sqlite|postgres] [--env NAME]`: the main job, on
+the embedded default (SQLite) or on a local PostgreSQL server (pipelines/commands/db.py), in the
+calculator world or another registered environment (`perpetua envs`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ def add_arguments(p) -> None:
     p.add_argument("--traces", choices=("mlflow", "landing"), default="mlflow",
                    help="where simulated production traffic goes: MLflow traces in the experiment (default), "
                         "or trace files in PERPETUA_HOME/landing; the harvest reads both")
+    p.add_argument("--env", metavar="NAME", dest="environment",
+                   help="the environment to train (`perpetua envs` lists them); a home trains one environment, "
+                        "recorded when its base policy is built. Default: the home's, the calculator world for a new one")
     p.add_argument("--automation", action=argparse.BooleanOptionalAction, default=True,
                    help="when done, switch the retraining sensor and the schedules on in the Dagster instance "
                         "(default on; the daemon of `dagster dev` then carries the loop on)")
@@ -45,6 +49,7 @@ def run(args) -> int:
         raise UserError("--traffic must be at least 1")
     from ops.common.paths import home
 
+    check_environment(args.environment, home())
     run_config = read_run_config(args.run_config) if args.run_config else {}
     choose_backend(home(), args.db)
     args.summary = args.summary or home().root / "demo-summary.json"
@@ -54,7 +59,8 @@ def run(args) -> int:
         raise UserError(f"cannot write the summary to {args.summary}: {e}") from None
     try:
         summary = run_demo(DemoConfig(cycles=args.cycles, traffic_per_cycle=args.traffic, summary=args.summary,
-                                          automation=args.automation, run_config=run_config, traces=args.traces))
+                                          automation=args.automation, run_config=run_config, traces=args.traces,
+                                      environment=args.environment))
     except (MlflowServerError, VllmServerError, PostgresServerError, PostgresConfigError) as e:  # a port taken, a server that cannot start
         raise UserError(str(e)) from None
     except DagsterInvalidConfigError as e:
@@ -66,6 +72,26 @@ def run(args) -> int:
     if failed:
         print(f"cycles {failed} failed; their Dagster runs say why (dagster dev -w workspace.yaml)")
     return 1 if failed else 0
+
+
+def check_environment(name: str | None, h) -> None:
+    """--env must name a registered environment that can run the demo, and the home's own (if any)."""
+    from ops.envs import UnknownEnvironment, get_environment
+    from ops.envs.home import recorded_environment
+
+    if name is None:
+        return
+    try:
+        env = get_environment(name)
+    except UnknownEnvironment as e:
+        raise UserError(f"--env: {e}") from None
+    if not env.demo:
+        raise UserError(f"--env {name}: the {name!r} environment cannot run the demo (it has no base policy "
+                        "bootstrap for the tiny policy); `perpetua envs` says which can")
+    recorded = recorded_environment(h)
+    if recorded and recorded["name"] != name:
+        raise UserError(f"--env {name}: PERPETUA_HOME {h.root} trains the {recorded['name']!r} environment; "
+                        f"use a fresh PERPETUA_HOME for {name!r}")
 
 
 def read_run_config(path: Path) -> dict:

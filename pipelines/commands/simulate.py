@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     from ops.common.paths import home
     from ops.rollout.engine import RolloutEngineError, read_policy_version
     from ops.rollout.server import ServerEngine
+    from ops.envs.home import home_environment
     from ops.harvest.simulator import SimulatorConfig, format_report, run_simulation
     from ops.serving import vllm_server
 
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
                 info = engine.load_weights(model_dir, want)
                 log(f"refit the server to policy version {want} in {info.seconds:.2f} s")
             tokenizer = tok_lib.load_hf_tokenizer(model_dir)
-            result = run_simulation(engine, tokenizer, traces_to, cfg, log=log)
+            result = run_simulation(engine, tokenizer, traces_to, cfg, env=home_environment(), log=log)
     except RolloutEngineError as e:
         raise UserError(f"simulation failed: {e}") from None
     finally:

@@ -216,15 +216,18 @@ def verifier_versions() -> dict[str, str]:
 
 
 def verifier_name_for(task: Mapping[str, Any]) -> str:
-    """The verifier a task asks for: its `verifier` field, else `calculator` for calculator families."""
+    """The verifier a task asks for: its `verifier` field, else `calculator` for a task of the
+    calculator world (records written before tasks named their verifier). A task of another
+    environment must name its verifier: guessing would score it against the wrong truth."""
+    from ops.envs import DEFAULT_ENVIRONMENT, environment_of
     from ops.tasks.task_world import FAMILIES
 
     if task.get("verifier"):
         return str(task["verifier"])
-    if task.get("family") in FAMILIES or "expression" in task:
+    if environment_of(task) == DEFAULT_ENVIRONMENT and (task.get("family") in FAMILIES or "expression" in task):
         return "calculator"
-    raise UnknownVerifier(f"task {task.get('task_id')!r} names no verifier and is not a calculator task")
+    raise UnknownVerifier(f"task {task.get('task_id')!r} of the {environment_of(task)!r} environment names no verifier")
 
 
 # The built-ins register themselves on import (after the names above exist).
-from ops.reward.verifiers import answers, calculator, swe  # noqa: E402,F401
+from ops.reward.verifiers import answers, calculator, code_repair, reasoning_gym, swe  # noqa: E402,F401
