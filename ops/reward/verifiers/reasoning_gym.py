@@ -1,0 +1,164 @@
+"""The reasoning-gym verifier: regenerates the task's entry and asks reasoning-gym's own scorer.
+
+A task (ops/envs/reasoning_gym.py) carries a locator (its `expression`, or `locator` from the
+verifier spec) naming one reasoning-gym entry, and the entry's `answer`. The entry is
+regenerated from the locator; if its answer or question is not the task's, the ground truth
+itself is wrong and the result is an infrastructure failure, never a reward.
+
+Reward 1 needs all of:
+- every model line is a valid action (`CALL calc(...)`, `ANSWER ...`), at most MAX_TURNS;
+- every RESULT line is exactly what the environment's tool returns for the CALL before it
+  (recomputed here: calc() for the arithmetic families, the no-tools error elsewhere);
+- exactly one ANSWER, as the last line, that the dataset's `score_answer` scores 1.0;
+- the prompt is the task's prompt.
+
+Reward-hacking guards (each sets `flagged`, and the reward is 0): `prompt_mismatch`,
+`echoes_question`, `fabricated_tool_output` (a RESULT with no CALL), `missing_tool_output`,
+`tool_output_tampered`, `multiple_answers`, `text_after_answer`, `too_many_turns` and
+`excessive_output` (longer than any honest episode).
+
+No sandbox: nothing the model wrote is executed. The scorer is reasoning-gym's pure Python
+on a string, and the calculator tool is an AST evaluator over integers (bounded input and
+values), so both run in-process; the `sandbox` argument is accepted and unused.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ops.reward.sandbox import Outcome
+from ops.reward.verifiers import Verification, VerifyItem, register_verifier
+from ops.tasks.task_world import normalize_question
+
+VERSION = "1"
+PROMPT_PREFIX = "Q: "
+RESULT_PREFIX = "RESULT "
+MAX_COMPLETION_CHARS = 2048  # an honest episode is three short lines (under 200 characters)
+MAX_ANSWER_CHARS = 256
+
+
+@dataclass
+class ParsedEpisode:
+    calls: list = field(default_factory=list)  # the CALL actions, in order
+    results: list[tuple[int, str]] = field(default_factory=list)  # (call index, claimed RESULT line)
+    answers: list[str] = field(default_factory=list)
+    invalid: list[str] = field(default_factory=list)
+    orphan_results: list[str] = field(default_factory=list)
+    missing_results: list[int] = field(default_factory=list)
+    model_turns: int = 0
+    text_after_answer: bool = False
+
+
+def parse_episode(completion_text: str) -> ParsedEpisode:
+    """Split a completion into model actions and claimed tool results, keeping every anomaly."""
+    from ops.envs.reasoning_gym import parse_line
+
+    ep = ParsedEpisode()
+    lines = completion_text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    pending: int | None = None
+    answered = False
+    for line in lines:
+        if line.startswith(RESULT_PREFIX):
+            if pending is None:
+                ep.orphan_results.append(line)
+            else:
+                ep.results.append((pending, line))
+                pending = None
+            continue
+        if pending is not None:  # the environment writes a RESULT right after every CALL
+            ep.missing_results.append(pending)
+            pending = None
+        ep.model_turns += 1
+        ep.text_after_answer |= answered
+        action = parse_line(line)
+        if action.kind == "call":
+            ep.calls.append(action)
+            pending = len(ep.calls) - 1
+        elif action.kind == "answer":
+            ep.answers.append(action.argument)
+            answered = True
+        else:
+            ep.invalid.append(line)
+    if pending is not None:
+        ep.missing_results.append(pending)
+    return ep
+
+
+def verify_one(item: VerifyItem) -> Verification:
+    from ops.envs import reasoning_gym as env
+
+    task = item.task
+    locator = task.get("locator") or task.get("expression")
+    try:
+        family, ds, entry = env.regenerate(locator)
+    except env.LocatorError as e:
+        return Verification.failed(Outcome.CRASHED, f"task has no usable reasoning-gym locator: {e}", infra=True)
+    except Exception as e:  # noqa: BLE001 - reasoning-gym missing or broken: the check itself failed
+        return Verification.failed(Outcome.CRASHED, f"reasoning-gym could not regenerate the entry: {type(e).__name__}: {e}",
+                                   infra=True)
+    expected = str(entry["answer"])
+    if task.get("answer") is None or str(task["answer"]) != expected:
+        return Verification.failed(Outcome.CRASHED, "regenerated entry's answer is not the task's", infra=True,
+                                   expected=expected, task_answer=task.get("answer"))
+    question = env.render_question(entry)
+    if task.get("question") is not None and normalize_question(str(task["question"])) != normalize_question(question):
+        return Verification.failed(Outcome.CRASHED, "regenerated entry's question is not the task's", infra=True)
+    prompt_question = str(task.get("question") or question)
+
+    text = item.completion_text
+    ep = parse_episode(text[: MAX_COMPLETION_CHARS + 1])
+    guards, problems, tool_checks = [], [], []
+    if item.prompt_text and item.prompt_text != f"{PROMPT_PREFIX}{prompt_question}\n":
+        guards.append("prompt_mismatch")
+    if prompt_question in text or any(line.startswith(PROMPT_PREFIX) for line in text.split("\n")):
+        guards.append("echoes_question")
+    if ep.orphan_results:
+        guards.append("fabricated_tool_output")
+    if ep.missing_results:
+        guards.append("missing_tool_output")
+    if len(ep.answers) > 1:
+        guards.append("multiple_answers")
+    if ep.text_after_answer:
+        guards.append("text_after_answer")
+    if ep.model_turns > env.MAX_TURNS:
+        guards.append("too_many_turns")
+    if len(text) > MAX_COMPLETION_CHARS:
+        guards.append("excessive_output")
+    for call_index, claimed in ep.results:
+        real = env.tool_line(family, ep.calls[call_index]).rstrip("\n")
+        tool_checks.append({"call": ep.calls[call_index].argument[:200], "claimed": claimed[:200], "actual": real,
+                            "ok": claimed == real})
+    if any(not c["ok"] for c in tool_checks):
+        guards.append("tool_output_tampered")
+    if ep.invalid:
+        problems.append("invalid_action")
+    if not ep.answers:
+        problems.append("no_answer")
+    answer = ep.answers[-1] if ep.answers else None
+    if answer is not None and len(answer) > MAX_ANSWER_CHARS:
+        problems.append("answer_too_long")
+    correct = len(ep.answers) == 1 and "answer_too_long" not in problems and env.score(ds, entry, answer)
+    ok = correct and not guards and not problems
+    details = {
+        "expected": expected, "answer": None if answer is None else answer[:MAX_ANSWER_CHARS], "correct": correct,
+        "family": family, "calls": len(ep.calls), "tool_checks": tool_checks[:8],
+        "guards": sorted(set(guards)), "problems": sorted(set(problems)),
+    }
+    return Verification.scored(ok, details=details, flagged=bool(guards))
+
+
+@register_verifier("reasoning_gym", VERSION, batch_size=1024)
+class ReasoningGymVerifier:
+    """In-process and cheap (the datasets are cached per locator seed): large batches."""
+
+    def verify_batch(self, items: list[VerifyItem], sandbox=None) -> list[Verification]:
+        out = []
+        for item in items:
+            start = time.monotonic()
+            v = verify_one(item)
+            v.seconds = time.monotonic() - start
+            out.append(v)
+        return out
