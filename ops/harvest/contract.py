@@ -15,11 +15,22 @@ Record (JSON object per line in `*.jsonl`, or a row of a `*.parquet` file with `
                                               (the MLflow registered-model version, e.g. "3");
                                               versions the registry does not know are quarantined
     family          str                       the task family the router / product assigned
-    question        str                       the task text the user asked
-    messages        [{role, content}]         the conversation; role in system|user|assistant|tool
+    question        str                       the task text the user asked; chat-shaped records
+                                              (below) may leave it out
+    messages        [{role, content?,         the conversation, in the OpenAI chat format agent
+                      tool_call_id?,          gateways log; role in system|user|assistant|tool.
+                      tool_calls?}]           content null or absent is ""; a list of text parts
+                                              [{type: "text", text}] is their texts joined by
+                                              newlines, as vLLM renders them (any other part is
+                                              invalid: an image dropped would change the task).
+                                              tool_calls [{id, type: "function", function: {name,
+                                              arguments}}] on the turn that called tools;
+                                              tool_call_id on the tool turn answering one. Other
+                                              keys (e.g. `name`) are ignored
     tool_calls      [{name, arguments,        every tool call in order; `arguments` is the raw
                       result?, error?}]       argument string (JSON-encoded for structured tools),
-                                              `error` is set when the tool failed
+                                              `error` is set when the tool failed. Absent or empty:
+                                              derived from the messages' tool_calls (below)
     final_answer    str | null                the agent's final answer; null when it gave none
     finish_reason   str | null                why the episode ended (answer | invalid_action |
                                               max_turns | max_tokens | env_error), as in ROLLOUTS
@@ -51,6 +62,26 @@ Files become visible atomically (`write_traces` writes a dot-file and renames it
 harvester never reads a half-written file; once visible, a landing file is immutable (bytes
 appended to a JSONL file later are harvested from the stored offset).
 
+Chat-shaped records: an agent gateway logs the conversation in the OpenAI chat format and knows
+nothing of `question` or the contract's `tool_calls`, so the contract derives them from the
+messages instead of making every gateway translate (`TraceRecord._from_chat`, before validation):
+
+- A record with neither `question` nor `tool_calls` (absent, null or empty) is chat-shaped. Its
+  `question` is the content of the first `user` message; with no user message it stays missing
+  and the record is quarantined (`missing_field:question`): without the task text a failure
+  cannot be retrained on. Its `final_answer`, when absent, is the content of the last
+  `assistant` message without tool_calls (the turn that ended the agent loop), else null.
+  A record that has `tool_calls` but no `question` is a native record missing its question, not
+  a chat log, so it is quarantined as before rather than guessed.
+- Any record whose `tool_calls` is absent or empty takes them from the messages' OpenAI tool
+  calls, in order: name = function.name, arguments = function.arguments (the raw string),
+  result = the content of the `tool` message whose tool_call_id matches (null if none answers
+  it), error = null (the chat format has no tool errors). Given `tool_calls` win: the producer
+  knows its tools' failures, the chat log does not.
+
+The derived fields are part of the validated record, so `write_traces` writes them and a record
+read back is the same record.
+
 MLflow traces are a second transport of the same contract: `record_from_mlflow_trace` maps one
 (tags `perpetua.model_version`, `perpetua.family`, optional `perpetua.outcome`, `perpetua.environment`,
 `perpetua.task_id`, `perpetua.expression`, `perpetua.answer`; root span inputs `question`,
@@ -73,7 +104,7 @@ from typing import Annotated, Any, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 TRACE_CONTRACT_VERSION = "1"
@@ -110,9 +141,45 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
+def _content_text(value: Any) -> Any:
+    """OpenAI chat content as text: null is "", a list of text parts is their texts joined by
+    newlines (as vLLM renders them). Other values pass through for the type check."""
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        texts = []
+        for part in value:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise PydanticCustomError("invalid_content_part", "content parts must be text parts (type text, text a string)")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    return value
+
+
+def _text_or_raw(value: Any) -> Any:
+    """`_content_text`, or the value itself when it is no content (validation then names it)."""
+    try:
+        return _content_text(value)
+    except PydanticCustomError:
+        return value
+
+
+class FunctionCall(_Strict):
+    name: Annotated[str, Field(min_length=1, description="The tool called, e.g. `calc`.")]
+    arguments: Annotated[str, Field(description="Raw argument string as the model wrote it (JSON for OpenAI tools).")]
+
+
+class MessageToolCall(_Strict):
+    id: Annotated[str, Field(min_length=1, description="Call id; the tool message answering it carries it as tool_call_id.")]
+    type: Annotated[Literal["function"], _null_is("function"), Field(description="OpenAI tool type (only functions).")] = "function"
+    function: Annotated[FunctionCall, Field(description="What was called, with which arguments.")]
+
+
 class Message(_Strict):
     role: Annotated[Literal["system", "user", "assistant", "tool"], Field(description="Who spoke.")]
-    content: Annotated[str, Field(description="The text of the turn.")]
+    content: Annotated[str, BeforeValidator(_content_text), Field(description="The text of the turn (null: none).")] = ""
+    tool_call_id: Annotated[str | None, Field(description="On a tool turn: the call it answers.")] = None
+    tool_calls: Annotated[list[MessageToolCall] | None, Field(description="On an assistant turn: the tools it called.")] = None
 
 
 class ToolCall(_Strict):
@@ -159,9 +226,59 @@ class TraceRecord(_Strict):
     environment: Annotated[str | None, Field(min_length=1, max_length=128, description="The environment that served "
                                              "the episode (ops/envs); null: the harvesting home's.")] = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_chat(cls, data: Any) -> Any:
+        """Derive question, final_answer and tool_calls from OpenAI chat messages (module doc).
+        Only well-formed pieces are used; malformed ones are left for validation to name."""
+        if not isinstance(data, dict) or not isinstance(data.get("messages"), list):
+            return data
+        messages = [m for m in data["messages"] if isinstance(m, dict)]
+        given_calls = data.get("tool_calls")
+        no_calls = given_calls is None or (isinstance(given_calls, list) and not given_calls)
+        out = dict(data)
+        if data.get("question") is None and no_calls:
+            user = next((m for m in messages if m.get("role") == "user"), None)
+            if user is not None:
+                out["question"] = _text_or_raw(user.get("content"))
+            if data.get("final_answer") is None:
+                last = next((m for m in reversed(messages) if m.get("role") == "assistant" and not m.get("tool_calls")), None)
+                out["final_answer"] = None if last is None else _text_or_raw(last.get("content"))
+        if no_calls:
+            derived = _openai_tool_calls(messages)
+            if derived:
+                out["tool_calls"] = derived
+        return out
+
+
+def _openai_tool_calls(messages: list[dict]) -> list[dict]:
+    """The contract's tool calls from OpenAI chat messages: each function call in order, its result
+    the content of the first tool message answering its id."""
+    results: dict[str, Any] = {}
+    for m in messages:
+        call_id = m.get("tool_call_id")
+        if m.get("role") == "tool" and isinstance(call_id, str) and call_id not in results:
+            results[call_id] = _text_or_raw(m.get("content"))
+    calls = []
+    for m in messages:
+        if not isinstance(m.get("tool_calls"), list):
+            continue
+        for call in m["tool_calls"]:
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict):
+                continue  # malformed: the message's own validation names it
+            call_id = call.get("id")
+            calls.append({"name": function.get("name"), "arguments": function.get("arguments"),
+                          "result": results.get(call_id) if isinstance(call_id, str) else None, "error": None})
+    return calls
+
 
 # The Arrow form of the contract (Parquet landing files). Field order and names equal TraceRecord's.
-_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+_FUNCTION_CALL = pa.struct([("name", pa.string()), ("arguments", pa.string())])
+_MESSAGE_TOOL_CALL = pa.struct([("id", pa.string()), ("type", pa.string()), ("function", _FUNCTION_CALL)])
+_MESSAGE = pa.struct(
+    [("role", pa.string()), ("content", pa.string()), ("tool_call_id", pa.string()), ("tool_calls", pa.list_(_MESSAGE_TOOL_CALL))]
+)
 _TOOL_CALL = pa.struct([("name", pa.string()), ("arguments", pa.string()), ("result", pa.string()), ("error", pa.string())])
 _FEEDBACK = pa.struct([("rating", pa.string()), ("comment", pa.string())])
 _USAGE = pa.struct([("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64())])

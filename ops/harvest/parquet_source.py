@@ -5,7 +5,10 @@ already harvested and a rerun skips them. Each record batch is conformed to the 
 types and judged by the vectorised validation; a batch whose columns cannot be conformed (wrong
 kinds: ints where strings belong) and every row the vectorised path rejects go through the
 per-record path (`ops.harvest.contract.validate_record`, which names every quarantine reason).
-Parquet rows have no line length, so oversized is judged on the summed text of the row.
+Struct fields are conformed by name, so a producer writing an older or wider struct (messages of
+only role and content, or with an extra `name`) keeps the vectorised path.
+Parquet rows have no line length, so oversized is judged on the summed text of the row
+(message contents and their tool calls' arguments included).
 
 Before a row group is decoded its size is checked from the file's metadata: a row group whose
 uncompressed bytes per row exceed `max_record_bytes` holds at least one oversized record, and

@@ -6,6 +6,12 @@ comes from the per-record path (`ops.harvest.contract.validate_record` / `valida
 the single source of truth), which the sources call for each row this module rejects. So the
 rules below mirror `TraceRecord` and must only ever be stricter or equal, never looser.
 
+What `TraceRecord` derives from OpenAI chat messages (contract module doc: chat-shaped records,
+tool calls taken from the messages, null or part-list content) is left to it: a row without a
+question, with a null content, or with a message carrying tool_calls or a tool_call_id is
+rejected here and judged by the per-record path. Plain rows (a question, messages of role and
+text) are the common case and stay fast.
+
 Both paths hand the classification stage the same shape: `ACCEPTED`, one row per valid record.
 """
 
@@ -74,7 +80,9 @@ def _invalid_rows(t: pa.Table) -> np.ndarray:
         bad |= ~np_bool(pc.match_substring_regex(ts, RFC3339_PATTERN), fill=True)
     bad |= np_null(t["messages"])
     bad |= list_items_any(t["messages"], n, lambda f: np_null(f) | np_null(pc.struct_field(f, "content"))
-                          | ~np_bool(pc.is_in(pc.struct_field(f, "role"), value_set=pa.array(["system", "user", "assistant", "tool"]))))
+                          | ~np_bool(pc.is_in(pc.struct_field(f, "role"), value_set=pa.array(["system", "user", "assistant", "tool"])))
+                          # OpenAI tool turns: TraceRecord derives the record's tool_calls from them
+                          | np_valid(pc.struct_field(f, "tool_calls")) | np_valid(pc.struct_field(f, "tool_call_id")))
     bad |= list_items_any(t["tool_calls"], n, lambda f: np_null(f) | np_null(pc.struct_field(f, "arguments"))
                           | ~np_bool(pc.greater(pc.utf8_length(pc.struct_field(f, "name")), 0)))
     bad |= ~np_bool(pc.is_in(t["outcome"], value_set=pa.array(["success", "failure", "error"])))
@@ -164,7 +172,11 @@ def records_table(items: list[tuple[int, TraceRecord]]) -> pa.Table:
 
 def conform(t: pa.Table) -> pa.Table | None:
     """A Parquet batch in the contract's Arrow types, or None if a column cannot be cast (then
-    every row goes through the per-record path)."""
+    every row goes through the per-record path).
+
+    Struct fields are matched by name: one the contract has and the file lacks is null (a
+    producer writing an older struct, e.g. messages of only role and content, stays on the fast
+    path), one the file has and the contract lacks is dropped (the contract ignores it too)."""
     cols = {}
     for f in TRACES:
         if f.name not in t.column_names:
@@ -177,10 +189,30 @@ def conform(t: pa.Table) -> pa.Table | None:
         if not _same_kind(col.type, f.type):
             return None  # e.g. ints where strings belong: Arrow would cast them, the contract does not
         try:
-            cols[f.name] = pc.cast(col, f.type)
+            cols[f.name] = pa.chunked_array([_conform_array(c, f.type) for c in col.chunks], type=f.type)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
             return None
     return pa.table(cols)
+
+
+def _conform_array(arr: pa.Array, dst: pa.DataType) -> pa.Array:
+    """`arr` as `dst`, nested structs matched by field name (see `conform`)."""
+    if pa.types.is_struct(dst) and pa.types.is_struct(arr.type):
+        if any(len(arr.type.get_all_field_indices(f.name)) > 1 for f in dst):
+            raise pa.ArrowInvalid("a struct field name appears twice")  # which one counts: the per-record path judges
+        children = [
+            _conform_array(arr.field(f.name), f.type) if arr.type.get_field_index(f.name) >= 0 else pa.nulls(len(arr), f.type)
+            for f in dst
+        ]
+        return pa.StructArray.from_arrays(children, fields=list(dst), mask=pc.is_null(arr))
+    if pa.types.is_list(dst) and (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
+        if len(arr) == 0:
+            return pa.array([], dst)
+        offsets = arr.offsets  # into the unsliced values; rebased, since a sliced one cannot take a mask
+        start, end = offsets[0].as_py(), offsets[-1].as_py()
+        values = _conform_array(arr.values.slice(start, end - start), dst.value_type)
+        return pa.ListArray.from_arrays(pc.cast(pc.subtract(offsets, start), pa.int32()), values, type=dst, mask=pc.is_null(arr))
+    return pc.cast(arr, dst)
 
 
 def _same_kind(src: pa.DataType, dst: pa.DataType) -> bool:
@@ -201,7 +233,7 @@ def _same_kind(src: pa.DataType, dst: pa.DataType) -> bool:
         if not pa.types.is_struct(src):
             return False
         wanted = {f.name: f.type for f in dst}
-        return all(f.name in wanted and _same_kind(f.type, wanted[f.name]) for f in src)
+        return all(_same_kind(f.type, wanted[f.name]) for f in src if f.name in wanted)  # others are dropped
     return src == dst
 
 
@@ -225,7 +257,29 @@ def row_sizes(t: pa.Table) -> np.ndarray:
                 continue
             lens = pc.fill_null(pc.binary_length(pc.struct_field(flat, fname)), 0).to_numpy(zero_copy_only=False)
             total += np.bincount(parents, weights=lens, minlength=n).astype(np.int64)
+        if name == "messages":  # OpenAI tool calls: their arguments become the record's tool_calls
+            total += _message_call_bytes(flat, parents, n)
     return total
+
+
+def _message_call_bytes(messages: pa.Array, parents: np.ndarray, n: int) -> np.ndarray:
+    """Per row: bytes of the function arguments in its messages' tool_calls (0 where the file's
+    struct has none)."""
+    out = np.zeros(n, np.int64)
+    t = messages.type
+    if t.get_field_index("tool_calls") < 0 or not pa.types.is_list(t.field("tool_calls").type):
+        return out
+    calls_col = pc.struct_field(messages, "tool_calls")
+    calls = pc.list_flatten(calls_col)
+    if len(calls) == 0 or not pa.types.is_struct(calls.type) or calls.type.get_field_index("function") < 0:
+        return out
+    function = pc.struct_field(calls, "function")
+    if not pa.types.is_struct(function.type) or function.type.get_field_index("arguments") < 0 \
+            or not pa.types.is_string(function.type.field("arguments").type):
+        return out
+    rows = parents[pc.list_parent_indices(calls_col).to_numpy()]
+    lens = pc.fill_null(pc.binary_length(pc.struct_field(function, "arguments")), 0).to_numpy(zero_copy_only=False)
+    return np.bincount(rows, weights=lens, minlength=n).astype(np.int64)
 
 
 # ---- numpy views of Arrow predicates ----------------------------------------------------------
