@@ -86,7 +86,11 @@ def test_one_cycle_through_dagster(perpetua_home, base_policy_dir, monkeypatch):
             deployed = result.asset_materializations_for_node("deployment")
             if gate.passed:
                 assert result.success and deployed
-                assert registry.champion_version(uri, policies.REGISTERED_MODEL) != champion
+                new_champion = registry.champion_version(uri, policies.REGISTERED_MODEL)
+                assert new_champion != champion
+                mv = tracking.client(uri).get_model_version(policies.REGISTERED_MODEL, new_champion)
+                assert mv.tags[tracking.TAG_ENVIRONMENT] == "calculator-1"
+                assert meta("deployment")["environment"] == {"name": "calculator", "version": "1"}
             else:
                 assert not deployed and gate.metadata["reasons"].value
                 assert registry.champion_version(uri, policies.REGISTERED_MODEL) == champion
