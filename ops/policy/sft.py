@@ -120,6 +120,8 @@ def train_sft(model, tokenizer, cfg: SFTConfig, log: Callable[[dict], None] = la
     rng = random.Random(cfg.seed)
     train = sft_corpus(cfg, env)
     seqs: list[Sequence] = [solution_sequence(t, tokenizer, env=env) for t in train]
+    if not seqs:
+        raise ValueError(f"the {env.name!r} environment has no bootstrap training tasks to fine-tune on")
     eval_tasks = sft_eval_tasks(cfg, env)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -130,7 +132,9 @@ def train_sft(model, tokenizer, cfg: SFTConfig, log: Callable[[dict], None] = la
     start, tokens, history, loss_value, step = time.perf_counter(), 0, [], float("nan"), 0
     success: dict[str, float] = {}
     for step in range(1, cfg.max_steps + 1):
-        batch, _ = collate(rng.sample(seqs, cfg.batch_size), pad_id=tokenizer.pad_token_id)
+        # an environment with fewer training tasks than a batch (a handful of repositories) repeats them
+        picked = rng.sample(seqs, cfg.batch_size) if len(seqs) >= cfg.batch_size else rng.choices(seqs, k=cfg.batch_size)
+        batch, _ = collate(picked, pad_id=tokenizer.pad_token_id)
         loss = masked_nll(model, batch.tokens, batch.target_mask)
         opt.zero_grad(set_to_none=True)
         loss.backward()
