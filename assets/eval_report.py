@@ -87,6 +87,9 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
     cfg = config.eval_config()
     env = home_environment()
     sets = eval_sets(cfg, *harvested(), env=env)
+    if not sets.sets["deciding"]:
+        raise dg.Failure(f"the {env.name!r} environment has no held-out tasks to decide on (drift, failure or "
+                         "production families); it needs more tasks per family")
     if context.run.job_name == NIGHTLY_EVAL_JOB:
         return _champion_check(context, cfg, trainer_server, champion, champion_registry_version, sets, env)
     cycle = cycle_of(context)
@@ -95,8 +98,10 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
         champ, cand, ref = _score_policies(trainer_server, cfg, sets, champion, candidate, env)
         meter.add_tokens(champ.tokens + cand.tokens + (ref.tokens if ref else 0))
     gate = config.gate_config()
-    decision = decide(cand.samples["deciding"], champ.samples["deciding"], cand.samples["guard"],
-                      champ.samples["guard"], (ref or champ).samples["guard"], gate)
+    # an environment may have no held-out task in its bootstrap families: the gate then blocks,
+    # saying that nothing shows the candidate kept what worked
+    guard = [e.samples.get("guard", []) for e in (cand, champ, ref or champ)]
+    decision = decide(cand.samples["deciding"], champ.samples["deciding"], *guard, gate)
     cost = cycle_costs.total(home().data, cycle)
     d_c, d_k = cand.scores["deciding"], champ.scores["deciding"]
     record = CycleRecord(cycle, d_k.pass_at_1, d_c.pass_at_1, cost.dollars, deployed=False,
@@ -116,6 +121,7 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
     return dg.MaterializeResult(
         metadata={
             "cycle": cycle,
+            "environment": dg.MetadataValue.json(env.identity()),
             "candidate_version": cand.policy_version,
             "champion_version": champ.policy_version,
             "candidate_score": dg.MetadataValue.float(d_c.pass_at_1),
@@ -134,7 +140,8 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
             "engine_seconds": dg.MetadataValue.float(sum(v.seconds for v in (cand, champ, ref) if v)),
             "engine_parts": dg.MetadataValue.json({f"{k}_s": round(v.seconds, 3) for k, v in
                                                    (("candidate", cand), ("champion", champ), ("reference", ref)) if v}),
-            "guard": dg.MetadataValue.json({k: v.scores["guard"].pass_at_1 for k, v in (("candidate", cand), ("champion", champ))}),
+            "guard": dg.MetadataValue.json({k: v.scores["guard"].pass_at_1 if "guard" in v.scores else None
+                                            for k, v in (("candidate", cand), ("champion", champ))}),
             "production": dg.MetadataValue.json({k: report[k].get("deciding/production", {}).get("pass_at_1")
                                                  for k in ("candidate", "champion")}),
             "per_family_candidate": dg.MetadataValue.json({s: {f: x.pass_at_1 for f, x in v.per_family.items()}
@@ -247,7 +254,7 @@ def _champion_check(context, cfg: EvalConfig, server: PolicyServer, champion: in
                                      champion_registry_version=champion_registry_version, sets=sets)
     path = reports.write_report(reports.champion_report_path(home().data, context.run.run_id), report)
     return dg.MaterializeResult(
-        metadata={"kind": reports.CHAMPION, "champion_version": champion,
+        metadata={"kind": reports.CHAMPION, "champion_version": champion, "environment": dg.MetadataValue.json(env.identity()),
                   "champion_score": dg.MetadataValue.float(champ.scores["deciding"].pass_at_1),
                   "known_failures_fixed": report["known_failures_fixed"],
                   "eval_set_hashes": dg.MetadataValue.json(report["eval_set_hashes"]),

@@ -1,7 +1,8 @@
-"""The code_repair environment through the cycle job's stages on the real engines: its production
-traces harvested, its tasks built, rollouts of a code_repair policy on the vLLM server (tools
-`read_file`, `write_patch`, `run_tests` run in the sandbox), and every rollout verified by the
-SWE-style FAIL_TO_PASS / PASS_TO_PASS verifier. The tiny policy is not expected to fix bugs; a
+"""The code_repair environment through the cycle job on the real engines: its production traces
+harvested, its tasks built, rollouts of a code_repair policy on the vLLM server (tools
+`read_file`, `write_patch`, `run_tests` run in the sandbox), every rollout verified by the
+SWE-style FAIL_TO_PASS / PASS_TO_PASS verifier, a learner step, the eval on its tasks and the
+deploy gate. The tiny policy is not expected to fix bugs; a
 group whose samples all fail is guided by the task's reference episode, whose patch the verifier
 must pass, while the policy's own episodes must fail (no patch, or a wrong one)."""
 
@@ -67,16 +68,28 @@ def test_code_repair_rollouts_are_verified_by_the_swe_verifier(code_repair_home,
         tasks = [t for fam in env.families for t in env.generate_tasks(fam, 3, seed=0)]
         write_traces([_trace(i, t, champion) for i, t in enumerate(tasks)], home().landing)
 
-        job_assets = [defs.get_assets_def(k) for k in ("harvested_failures", "training_tasks", "rollouts", "verified_rewards")]
-        run_config = {"ops": {"rollouts": {"config": {"max_tasks": 6, "group_size": 2, "min_informative_groups": 0}}}}
+        job_assets = [defs.get_assets_def(k) for k in ("harvested_failures", "training_tasks", "rollouts", "verified_rewards",
+                                                      "policy_checkpoint", "eval_report")]
+        checks = list(defs.get_repository_def().asset_checks_defs_by_key.values())
+        run_config = {"ops": {"rollouts": {"config": {"max_tasks": 6, "group_size": 2, "min_informative_groups": 0}},
+                              "eval_report": {"config": {"drift_per_family": 3, "guard_per_family": 3, "production_tasks": 3}}}}
         with dg.instance_for_test() as instance:
-            result = dg.materialize(job_assets, resources=resources, instance=instance, run_config=run_config,
-                                    tags={"perpetua/cycle": "1"})
+            result = dg.materialize(job_assets + checks, resources=resources, instance=instance, run_config=run_config,
+                                    tags={"perpetua/cycle": "1"}, raise_on_error=False)
             meta = lambda a: {k: v.value for k, v in result.asset_materializations_for_node(a)[0].metadata.items()}  # noqa: E731
             assert meta("harvested_failures")["harvested"] == len(tasks)
             assert meta("rollouts")["environment"] == {"name": "code_repair", "version": env.version}
             rollouts = pq.read_table(meta("rollouts")["path"]).to_pylist()
             rewards = pq.read_table(meta("verified_rewards")["path"]).to_pylist()
+            # the learner steps on the code_repair episodes and eval scores both policies on code_repair tasks
+            assert meta("policy_checkpoint")["policy_version"] == 1
+            report = meta("eval_report")
+            assert report["environment"] == {"name": "code_repair", "version": env.version}
+            assert report["candidate_version"] == 1 and report["champion_version"] == 0
+            # nine repositories leave no held-out task in the bootstrap families: no guard set, so
+            # nothing shows the candidate kept what worked, and the gate blocks the deploy
+            gate = [e for e in result.get_asset_check_evaluations() if e.check_name == "deploy_gate"][0]
+            assert not gate.passed and "Guard set: empty" in gate.metadata["reasons"].value
     finally:
         vllm_server.stop(port)
 
