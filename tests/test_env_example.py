@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,29 @@ def test_a_home_keeps_its_environment(tmp_path, monkeypatch):
         home_environment(h)
     monkeypatch.delenv("PERPETUA_ENVIRONMENT")
     assert home_environment(h).name == "reasoning_gym"
+
+
+def test_an_environment_from_a_package_entry_point_registers(tmp_path, monkeypatch, capsys):
+    """A package's `perpetua.environments` entry point is loaded once; a broken one is logged and
+    the rest of the registry still loads."""
+    from importlib.metadata import EntryPoint
+
+    from ops import envs
+    from ops.common import plugins
+    from pipelines.cli import main
+
+    (tmp_path / "my_plugin_envs.py").write_text(readme_example().replace('"shout", "1"', '"shout_plugin", "2"'))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    eps = [EntryPoint("shout_plugin", "my_plugin_envs:Shout", envs.ENTRY_POINT_GROUP),
+           EntryPoint("broken", "no_such_module_here:Env", envs.ENTRY_POINT_GROUP)]
+    monkeypatch.setattr(plugins, "entry_points", lambda group: eps if group == envs.ENTRY_POINT_GROUP else [])
+    monkeypatch.setattr(plugins, "_loaded_groups", set())
+    try:
+        assert get_environment("shout_plugin").version == "2"
+        assert main(["envs", "--json"]) == 0
+        assert "shout_plugin" in {e["name"] for e in json.loads(capsys.readouterr().out)}
+        with pytest.raises(envs.UnknownEnvironment, match="no environment named 'broken'"):
+            get_environment("broken")
+    finally:
+        envs._REGISTRY.pop("shout_plugin", None)
+        sys.modules.pop("my_plugin_envs", None)

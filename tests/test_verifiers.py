@@ -19,6 +19,7 @@ from ops.reward.sandbox import Limits, Outcome, Sandbox
 from ops.common.tables import REWARDS, ROLLOUTS, read_table, table_hash, write_table
 from ops.tasks.task_world import Task, generate_tasks, make_task, prompt_text, solution_text
 from ops.reward.verifiers import Verification, VerifyItem, get_verifier, register_verifier, verifier_versions
+from ops.common import plugins
 from ops.reward.verifiers.calculator import parse_episode
 from ops.reward.scoring import group_statistics, verify_rollouts
 
@@ -105,8 +106,8 @@ def test_entry_point_verifiers_are_loaded(tmp_path, monkeypatch):
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     ep = EntryPoint("plugin-always-one", "my_plugin_verifiers:always_one", verifiers.ENTRY_POINT_GROUP)
-    monkeypatch.setattr(verifiers, "entry_points", lambda group: [ep] if group == verifiers.ENTRY_POINT_GROUP else [])
-    monkeypatch.setattr(verifiers, "_entry_points_loaded", False)
+    monkeypatch.setattr(plugins, "entry_points", lambda group: [ep] if group == verifiers.ENTRY_POINT_GROUP else [])
+    monkeypatch.setattr(plugins, "_loaded_groups", set())
     try:
         assert get_verifier("plugin-always-one").version == "3"
         assert verifier_versions()["plugin-always-one"] == "3"

@@ -57,16 +57,13 @@ from __future__ import annotations
 
 import inspect
 import json
-import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import Any, Literal
 
+from ops.common.plugins import load_entry_points
 from ops.tasks.task_world import Task, normalize_question, task_id_for
-
-log = logging.getLogger("perpetua.envs")
 
 ENTRY_POINT_GROUP = "perpetua.environments"
 DEFAULT_ENVIRONMENT = "calculator"
@@ -216,7 +213,6 @@ def line_pattern(prefix: str, body: str) -> re.Pattern:
 # ---- the registry ---------------------------------------------------------------------------
 
 _REGISTRY: dict[str, Environment] = {}
-_entry_points_loaded = False
 
 
 class UnknownEnvironment(KeyError):
@@ -242,22 +238,14 @@ def register_environment(cls=None, *, replace: bool = False):
 
 
 def load_entry_point_environments() -> list[str]:
-    """Import every `perpetua.environments` entry point once; a broken plugin is logged, not fatal."""
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return []
-    _entry_points_loaded = True
-    loaded = []
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            obj = ep.load()
-            if inspect.isclass(obj) and obj.name not in _REGISTRY:
-                register_environment(obj)
-        except Exception as e:  # noqa: BLE001 - a third-party plugin must not take the pipeline down
-            log.error("environment entry point %s (%s) failed to load: %s", ep.name, ep.value, e)
-            continue
-        loaded.append(ep.name)
-    return loaded
+    """Import every `perpetua.environments` entry point once; a broken plugin is logged, not fatal.
+    An entry point names a decorated class (registered on import) or an undecorated subclass."""
+
+    def register(name: str, obj) -> None:
+        if inspect.isclass(obj) and obj.name not in _REGISTRY:
+            register_environment(obj)
+
+    return load_entry_points(ENTRY_POINT_GROUP, register)
 
 
 def get_environment(name: str | None = None) -> Environment:

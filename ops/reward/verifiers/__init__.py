@@ -44,16 +44,14 @@ from __future__ import annotations
 
 import inspect
 import json
-import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any
 
+from ops.common.plugins import load_entry_points
 from ops.reward.sandbox import Outcome, Sandbox
 
-log = logging.getLogger("perpetua.verifiers")
 
 ENTRY_POINT_GROUP = "perpetua.verifiers"
 
@@ -145,7 +143,6 @@ class RegisteredVerifier:
 
 
 _REGISTRY: dict[str, RegisteredVerifier] = {}
-_entry_points_loaded = False
 
 
 class UnknownVerifier(KeyError):
@@ -179,22 +176,14 @@ def _qualname(obj) -> str:
 
 
 def load_entry_point_verifiers() -> list[str]:
-    """Import every `perpetua.verifiers` entry point once; a broken plugin is logged, not fatal."""
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return []
-    _entry_points_loaded = True
-    loaded = []
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            obj = ep.load()
-        except Exception as e:  # noqa: BLE001 - a third-party plugin must not take the pipeline down
-            log.error("verifier entry point %s (%s) failed to load: %s", ep.name, ep.value, e)
-            continue
-        if ep.name not in _REGISTRY and getattr(obj, "verifier_name", None) is None:
-            register_verifier(ep.name, str(getattr(obj, "version", "0")))(obj)
-        loaded.append(ep.name)
-    return loaded
+    """Import every `perpetua.verifiers` entry point once; a broken plugin is logged, not fatal.
+    An entry point naming an undecorated verifier registers it under the entry point's name."""
+
+    def register(name: str, obj) -> None:
+        if name not in _REGISTRY and getattr(obj, "verifier_name", None) is None:
+            register_verifier(name, str(getattr(obj, "version", "0")))(obj)
+
+    return load_entry_points(ENTRY_POINT_GROUP, register)
 
 
 def get_verifier(name: str) -> RegisteredVerifier:
