@@ -52,8 +52,13 @@ class ParsedEpisode:
     text_after_answer: bool = False
 
 
-def parse_episode(completion_text: str) -> ParsedEpisode:
-    """Split a completion into model actions and claimed tool results, keeping every anomaly."""
+def parse_episode(completion_text: str, parse_line=parse_action, trailing_call_needs_result: bool = False) -> ParsedEpisode:
+    """Split a completion into model actions and claimed tool results, keeping every anomaly.
+
+    `parse_line` parses one model line into an action with `kind` and `argument` (the calculator
+    world's grammar by default; other line-based environments with a `CALL`/`ANSWER` grammar pass
+    their own). `trailing_call_needs_result`: a last CALL with no RESULT after it is an anomaly
+    (`missing_results`), as for environments whose episodes never end on a call."""
     ep = ParsedEpisode()
     lines = completion_text.split("\n")
     if lines and lines[-1] == "":
@@ -73,7 +78,7 @@ def parse_episode(completion_text: str) -> ParsedEpisode:
             pending = None
         ep.model_turns += 1
         ep.text_after_answer |= answered
-        action = parse_action(line)
+        action = parse_line(line)
         if action.kind == "call":
             ep.calls.append(action.argument)
             pending = len(ep.calls) - 1
@@ -82,6 +87,8 @@ def parse_episode(completion_text: str) -> ParsedEpisode:
             answered = True
         else:
             ep.invalid.append(line)
+    if trailing_call_needs_result and pending is not None:
+        ep.missing_results.append(pending)
     return ep
 
 

@@ -25,10 +25,11 @@ values), so both run in-process; the `sandbox` argument is accepted and unused.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
+from ops.envs import Action
 from ops.reward.sandbox import Outcome
-from ops.reward.verifiers import Verification, VerifyItem, register_verifier
+from ops.reward.verifiers import Verification, VerifyItem, calculator, register_verifier
+from ops.reward.verifiers.calculator import ParsedEpisode
 from ops.tasks.task_world import normalize_question
 
 VERSION = "1"
@@ -38,53 +39,11 @@ MAX_COMPLETION_CHARS = 2048  # an honest episode is three short lines (under 200
 MAX_ANSWER_CHARS = 256
 
 
-@dataclass
-class ParsedEpisode:
-    calls: list = field(default_factory=list)  # the CALL actions, in order
-    results: list[tuple[int, str]] = field(default_factory=list)  # (call index, claimed RESULT line)
-    answers: list[str] = field(default_factory=list)
-    invalid: list[str] = field(default_factory=list)
-    orphan_results: list[str] = field(default_factory=list)
-    missing_results: list[int] = field(default_factory=list)
-    model_turns: int = 0
-    text_after_answer: bool = False
-
-
 def parse_episode(completion_text: str) -> ParsedEpisode:
-    """Split a completion into model actions and claimed tool results, keeping every anomaly."""
+    """The calculator verifier's episode parser with this environment's line grammar."""
     from ops.envs.reasoning_gym import parse_line
 
-    ep = ParsedEpisode()
-    lines = completion_text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    pending: int | None = None
-    answered = False
-    for line in lines:
-        if line.startswith(RESULT_PREFIX):
-            if pending is None:
-                ep.orphan_results.append(line)
-            else:
-                ep.results.append((pending, line))
-                pending = None
-            continue
-        if pending is not None:  # the environment writes a RESULT right after every CALL
-            ep.missing_results.append(pending)
-            pending = None
-        ep.model_turns += 1
-        ep.text_after_answer |= answered
-        action = parse_line(line)
-        if action.kind == "call":
-            ep.calls.append(action)
-            pending = len(ep.calls) - 1
-        elif action.kind == "answer":
-            ep.answers.append(action.argument)
-            answered = True
-        else:
-            ep.invalid.append(line)
-    if pending is not None:
-        ep.missing_results.append(pending)
-    return ep
+    return calculator.parse_episode(completion_text, parse_line, trailing_call_needs_result=True)
 
 
 def verify_one(item: VerifyItem) -> Verification:
@@ -128,8 +87,8 @@ def verify_one(item: VerifyItem) -> Verification:
     if len(text) > MAX_COMPLETION_CHARS:
         guards.append("excessive_output")
     for call_index, claimed in ep.results:
-        real = env.tool_line(family, ep.calls[call_index]).rstrip("\n")
-        tool_checks.append({"call": ep.calls[call_index].argument[:200], "claimed": claimed[:200], "actual": real,
+        real = env.tool_line(family, Action("call", ep.calls[call_index], "calc")).rstrip("\n")
+        tool_checks.append({"call": ep.calls[call_index][:200], "claimed": claimed[:200], "actual": real,
                             "ok": claimed == real})
     if any(not c["ok"] for c in tool_checks):
         guards.append("tool_output_tampered")
