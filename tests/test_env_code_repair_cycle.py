@@ -7,7 +7,6 @@ group whose samples all fail is guided by the task's reference episode, whose pa
 must pass, while the policy's own episodes must fail (no patch, or a wrong one)."""
 
 import json
-import socket
 
 import dagster as dg
 import pyarrow.parquet as pq
@@ -23,12 +22,7 @@ from ops.harvest.contract import write_traces
 from ops.policy import versions as policies
 from ops.serving import vllm_server
 from pipelines.definitions import defs
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from test_demo import _free_port as _port
 
 
 def _trace(i, task, version):

@@ -39,7 +39,10 @@ def test_episode_format_and_parsing():
 
 
 def test_production_mix_drifts():
-    early, late = tw.production_mix(0.0), tw.production_mix(1.0)
+    from ops.envs import get_environment
+
+    calculator = get_environment("calculator")
+    early, late = calculator.production_mix(0.0), calculator.production_mix(1.0)
     assert abs(sum(early.values()) - 1) < 1e-9 and abs(sum(late.values()) - 1) < 1e-9
     assert set(tw.DRIFT_FAMILIES) - set(early)  # some drift families have not appeared yet
     assert set(late) == set(tw.FAMILIES)

@@ -36,9 +36,6 @@ class Calculator(Environment):
     def generate_tasks(self, family: str, n: int, seed: int) -> list[Task]:
         return task_world.generate_tasks(family, n, seed)
 
-    def production_mix(self, t: float) -> dict[str, float]:
-        return task_world.production_mix(t)
-
     def prompt_text(self, task: Task) -> str:
         return task_world.prompt_text(task)
 

@@ -106,18 +106,6 @@ def generate_tasks(family: str, n: int, seed: int) -> list[Task]:
     return list(seen.values())
 
 
-def production_mix(t: float) -> dict[str, float]:
-    """Traffic weights by family at production time t in [0, 1]: drift families appear and grow."""
-    weights = {}
-    for name, fam in FAMILIES.items():
-        if fam.kind == "bootstrap":
-            weights[name] = 1.0
-        elif t >= fam.appears_at:
-            weights[name] = 1.0 + 2.0 * (t - fam.appears_at) / max(1e-9, 1.0 - fam.appears_at)
-    total = sum(weights.values())
-    return {k: v / total for k, v in weights.items()}
-
-
 # ---- the tool -------------------------------------------------------------------------------
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Mod: operator.mod}
