@@ -110,6 +110,21 @@ def test_every_kind_of_bad_record_is_quarantined_with_its_reason(perpetua_home):
     assert by_line[11]["reason"] == "oversized"
 
 
+def test_traces_of_another_environment_are_quarantined_with_the_reason(perpetua_home):
+    """A home trains one environment: a trace naming it (or none) is harvested, one naming another
+    registered environment is `environment_mismatch`, one naming no registered one
+    `unknown_environment`; nothing is dropped."""
+    records = [rec(0), rec(1, environment="calculator"), rec(2, environment="reasoning_gym"),
+               rec(3, environment="my_unregistered_env"), rec(4, environment="")]
+    (home().landing / "envs.jsonl").write_bytes(lines(*records))
+    result = harvest(SETTINGS)
+    c = result.counts
+    assert c.quarantine_reasons == {"environment_mismatch": 1, "unknown_environment": 1, "invalid_value:environment": 1}
+    assert c.harvested == 2 and c.conserved
+    entries = {json.loads(x)["line"]: json.loads(x)["reason"] for x in result.quarantine_path.read_text().splitlines()}
+    assert entries == {3: "environment_mismatch", 4: "unknown_environment", 5: "invalid_value:environment"}
+
+
 def test_vectorised_and_per_record_validation_agree(tmp_path, monkeypatch):
     """The fast path decides the same as the per-record path (the single source of truth)."""
     rows = []
