@@ -252,3 +252,24 @@ def test_scripted_episodes_through_the_rollout_loop_score_one(env, sb, tmp_path)
     assert batch.finish_reasons == {"answer": len(tasks)}, batch.finish_reasons
     report = verify_rollouts(batch.rows, {t.task_id: env.truth_record(t) for t in tasks}, sandbox=sb, workers=1)
     assert [r["reward"] for r in report.rows] == [1.0] * len(tasks)
+
+
+def test_production_judges_the_repository_not_the_claim(env, sb):
+    """The simulator's production check: "done" counts only when the repository's tests pass with
+    the episode's last patch."""
+    from types import SimpleNamespace
+
+    task = env.generate_tasks("off_by_one", 1, seed=0)[0]
+    right, wrong = task.expression, task.expression.replace("+    return", "+    return None and")
+
+    def episode(*patches, answer="done", finish="answer"):
+        actions = [Action("call", escape_line(p), "write_patch") for p in patches] + [Action("answer", answer)]
+        return SimpleNamespace(finish_reason=finish, final_answer=answer, actions=actions)
+
+    assert env.production_check(task, episode(right))
+    assert env.production_check(task, episode(wrong, right))  # the last patch is what shipped
+    assert not env.production_check(task, episode())  # claimed done, wrote nothing
+    assert not env.production_check(task, episode(wrong))
+    assert not env.production_check(task, episode(right, wrong))
+    assert not env.production_check(task, episode(right, answer="gave up"))
+    assert not env.production_check(task, episode(right, finish="max_turns"))

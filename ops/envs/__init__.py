@@ -14,7 +14,7 @@ shared. It provides:
   task (`solution_turns`, for bootstrap fine-tuning and as a reference episode);
 - verification: the verifier spec of a task (`verifier_spec`: the registered verifier's name in
   `kind` and whatever it needs), and the production check the simulator applies
-  (`answer_matches`);
+  (`production_check`, by default `answer_matches` on the final answer);
 - harvesting: how a production trace becomes a task (`signature` dedups questions,
   `ground_truth` derives the truth the verifier checks against, `family` is the reporting
   slice);
@@ -155,8 +155,13 @@ class Environment:
         return self.prompt_text(task) + "".join(text for _, text in self.solution_turns(task))
 
     def answer_matches(self, task: Task, final_answer: str | None) -> bool:
-        """The production check the simulator applies to a finished episode."""
+        """Whether a final answer is right (the default `production_check` asks this)."""
         return final_answer is not None and final_answer == task.answer
+
+    def production_check(self, task: Task, episode) -> bool:
+        """What production observes of a finished episode (`ops.rollout.episodes.Episode`): the
+        simulator's success or failure. Default: it ended with an answer that `answer_matches`."""
+        return episode.finish_reason == "answer" and self.answer_matches(task, episode.final_answer)
 
     # ---- verification -----------------------------------------------------------------------
 

@@ -252,9 +252,17 @@ class CodeRepair(Environment):
         ]
 
     def answer_matches(self, task: Task, final_answer: str | None) -> bool:
-        """Only the final answer reaches this check, not the patch: the agent's own claim that it
-        is done. The patch itself is judged by the verifier."""
+        """The agent's own claim that it is done (the patch is judged by `production_check`)."""
         return final_answer == DONE
+
+    def production_check(self, task: Task, episode) -> bool:
+        """Production judges the repository, not the claim: the agent said it is done and every
+        test of the repository passes with the episode's last patch (run in the sandbox)."""
+        patch = latest_patch(episode.actions)
+        if episode.finish_reason != "answer" or not self.answer_matches(task, episode.final_answer) or patch is None:
+            return False
+        bug = _bug(task)
+        return _run_tests(bug, patch) == f"{len(bug.fail) + len(bug.keep)} passed, 0 failed"
 
     def verifier_spec(self, task: Task, derived_from: str = "generator") -> dict:
         bug = _bug(task)

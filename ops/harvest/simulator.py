@@ -12,7 +12,7 @@ failures: a file in PERPETUA_HOME/landing/, or an MLflow trace in the tracking s
 demo reports (drift families fail until training catches up).
 
 The check is pluggable (`verify`); the default is the environment's production check
-(`Environment.answer_matches`: the final answer against the task's ground truth). Requests go
+(`Environment.production_check`: by default the final answer against the task's ground truth). Requests go
 out in waves of `wave_size` concurrent episodes, written when the wave
 ends (one landing file per wave; traces appear while the simulation runs, as real traffic would).
 """
@@ -41,8 +41,8 @@ Verify = Callable[[Task, Episode], bool]
 
 
 def production_check(env: Environment) -> Verify:
-    """The default check: the episode answered, and the environment accepts the answer."""
-    return lambda task, episode: episode.finish_reason == "answer" and env.answer_matches(task, episode.final_answer)
+    """The default check: the environment's (`Environment.production_check`)."""
+    return env.production_check
 
 
 class SimulatorConfig(BaseModel):
