@@ -33,7 +33,7 @@ from assets.cycle_run import close_dagster_run
 from ops.harvest.landing import estimate_new_failures
 from ops.harvest.mlflow_source import MlflowTraceSource, count_new_failures
 from ops.common.paths import home
-from assets.resources import MlflowTracking
+from assets.resources import MlflowTracking, PolicyServer
 
 DEFAULT_THRESHOLD = 32
 THRESHOLD_ENV = "PERPETUA_RETRAIN_THRESHOLD"
@@ -214,7 +214,44 @@ def cycle_mlflow_run_on_failure(context: dg.RunFailureSensorContext, mlflow: Mlf
     return _close_cycle_mlflow_run(context, mlflow, succeeded=False)
 
 
-RUN_STATUS_SENSORS = [cycle_mlflow_run_on_success, cycle_mlflow_run_on_failure]
+# ---- production follows the champion after a failed deploy -----------------------------------
+# The `champion` alias is the deploy's commit point: a cycle killed between the production
+# server's refit and the alias move leaves production serving a candidate the registry never made
+# champion. The demo reconciles when it starts production; for cycles the daemon runs this sensor
+# does it as soon as such a run fails.
+
+
+def _deploy_started(context: dg.RunFailureSensorContext) -> bool:
+    records = context.instance.all_logs(context.dagster_run.run_id, of_type=dg.DagsterEventType.STEP_START)
+    return any(r.dagster_event is not None and r.dagster_event.step_key == "deployment" for r in records)
+
+
+@dg.run_failure_sensor(
+    name="production_follows_champion",
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="After a cycle run fails once its deploy had started, refits the production server to "
+                "the policy the registry's champion alias names (nothing changes when they agree).",
+)
+def production_follows_champion(context: dg.RunFailureSensorContext, mlflow: MlflowTracking,
+                                production_server: PolicyServer):
+    from ops.deploy.deploy import reconcile_champion
+
+    run = context.dagster_run
+    if run.job_name != CYCLE_JOB:
+        return dg.SkipReason(f"{run.job_name} is not a cycle run")
+    if not _deploy_started(context):
+        return dg.SkipReason(f"cycle run {run.run_id} failed before its deploy: production was not touched")
+    if not production_server.base_urls and production_server.server_pid() is None:
+        return dg.SkipReason("no production server runs; it serves the champion when it starts")
+    done = reconcile_champion(mlflow.uri(), production_server.serve)
+    if done is None:
+        return dg.SkipReason("nothing is deployed yet")
+    context.log.info(f"cycle run {run.run_id} failed in its deploy; production serves the champion, registry "
+                     f"v{done.registry_version} (policy v{done.policy_version})")
+    return None
+
+
+RUN_STATUS_SENSORS = [cycle_mlflow_run_on_success, cycle_mlflow_run_on_failure, production_follows_champion]
 
 
 def sensors_for(job_names: Iterable[str]) -> list[dg.SensorDefinition]:

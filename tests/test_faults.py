@@ -94,3 +94,56 @@ deploy.deploy_policy({uri!r}, serve, policy_version=1)
     done = deploy.deploy_policy(uri, serve, policy_version=1)
     assert (done.registry_version, done.registered, done.policy_version, served.read_text()) == ("2", False, 1, "1")
     assert registry.aliases(uri, name).champion == "2"
+
+
+def test_a_cycle_that_fails_in_its_deploy_leaves_production_on_the_champion(perpetua_home, tmp_path):
+    """The daemon's way to the same agreement: when a cycle run fails once its deploy started,
+    the `production_follows_champion` sensor refits production to the champion alias; a run that
+    failed before its deploy, or another job's, is left alone."""
+    import dagster as dg
+
+    from assets.resources import MlflowTracking, PolicyServer
+    from pipelines.sensors import production_follows_champion
+
+    uri, served = tracking.local_store(home().mlflow)[0], tmp_path / "served"
+
+    class StandInProduction(PolicyServer):  # refit = record the policy it serves
+        def server_pid(self):
+            return os.getpid()
+
+        def serve(self, model_dir) -> int:
+            version = json.loads((Path(model_dir) / "config.json").read_text())["perpetua_policy_version"]
+            served.write_text(str(version))
+            return version
+
+    production = StandInProduction(port=1)
+    for v in (0, 1):
+        _export(v)
+    assert deploy.deploy_policy(uri, production.serve, policy_version=0).registry_version == "1"
+    served.write_text("1")  # as a deploy killed between the refit and the alias move leaves it
+
+    def failed_run(instance, job_name: str, failing_step: str):
+        @dg.asset(name="eval_report")
+        def eval_report() -> None: ...
+
+        @dg.asset(name=failing_step, deps=[eval_report])
+        def failing() -> None:
+            raise RuntimeError("killed")
+
+        job = dg.Definitions(assets=[eval_report, failing], jobs=[dg.define_asset_job(job_name, selection="*")])
+        result = job.resolve_job_def(job_name).execute_in_process(instance=instance, raise_on_error=False)
+        assert not result.success
+        return dg.build_run_status_sensor_context(
+            sensor_name=production_follows_champion.name, dagster_event=result.get_run_failure_event(),
+            dagster_instance=instance, dagster_run=result.dagster_run,
+            resources={"mlflow": MlflowTracking(tracking_uri=uri), "production_server": production}).for_run_failure()
+
+    with dg.instance_for_test() as instance:
+        before = production_follows_champion(failed_run(instance, "perpetua_cycle", "policy_checkpoint"))
+        assert isinstance(before, dg.SkipReason) and "before its deploy" in before.skip_message
+        other = production_follows_champion(failed_run(instance, "harvest", "deployment"))
+        assert isinstance(other, dg.SkipReason) and "not a cycle run" in other.skip_message
+        assert served.read_text() == "1"  # untouched by either
+
+        assert production_follows_champion(failed_run(instance, "perpetua_cycle", "deployment")) is None
+        assert served.read_text() == "0" and registry.aliases(uri, policies.REGISTERED_MODEL).champion == "1"
