@@ -6,17 +6,19 @@ scoring are always reasoning-gym's own (`score_answer` on the regenerated entry)
 Questions are the entries' own texts (short and single-line for the families below).
 
     Q: State the final answer to the following arithmetic problem: 4 - 1 =
-    CALL calc(4 - 1)                       <- arithmetic families offer the calculator tool
+    CALL calc(4 - 1)                       <- the families offer the calculator tool
     RESULT 3
     ANSWER 3
 
-    Q: Spell this word backward (example: sun -> nus): klam
-    ANSWER malk                            <- string families answer directly
-
-Families are kept small (two or three terms of one or two digits, words of three to five
-letters) because the base policy is a tiny model with a 256-token context. The drift families
-vary a bootstrap skill: a new phrasing with mixed operators (`calculate`) and a longer
-expression (`chain_sum_3`), both solved by copying the expression into the same tool.
+Families are kept small (two or three terms of one or two digits) because the base policy is a
+tiny model with a 256-token context. The drift families vary a bootstrap skill: a new phrasing
+with mixed operators (`calculate`) and a longer expression (`chain_sum_3`), both solved by
+copying the expression into the same tool. A family may also be offered no tool (`tool=False`:
+the agent answers directly and a CALL gets an error line); none is here, because the string
+tasks tried are beyond the tiny policy: with `spell_backward` (words of three to five letters)
+among the bootstrap families, 1200 SFT steps left it at 0.00 and pulled the arithmetic families
+down with it (chain_sum 0.24, products 0.68, against 0.96 and 0.97 after 600 steps without it):
+reversing a word and copying a result ask the same few layers for opposite things.
 Verified by the `reasoning_gym` verifier (ops/reward/verifiers/reasoning_gym.py).
 
 `reasoning_gym` is imported lazily: importing Perpetua does not pay for it.
@@ -64,7 +66,6 @@ FAMILIES: dict[str, RGFamily] = {
     for f in [
         RGFamily("chain_sum", "bootstrap", "chain_sum", _SMALL_SUM, tool=True),
         RGFamily("products", "bootstrap", "products", _SMALL_SUM, tool=True),
-        RGFamily("spell_backward", "bootstrap", "spell_backward", {"min_word_len": 3, "max_word_len": 5}),
         # basic_arithmetic evaluates left to right, so it stays at two terms (no precedence question)
         RGFamily("calculate", "drift", "basic_arithmetic", {
             "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-", "*"],
@@ -138,8 +139,8 @@ def render_question(entry: Mapping[str, Any]) -> str:
 
 
 def score(ds, entry: Mapping[str, Any], answer: str | None) -> bool:
-    """reasoning-gym's verdict. Exactly 1.0 passes: spell_backward's partial credit sums 1/n per
-    matching letter and can overshoot 1.0 by rounding (n = 9, 11) for a wrong, longer answer."""
+    """reasoning-gym's verdict. Exactly 1.0 passes: partial credit is a failure (spell_backward's,
+    1/n per matching letter, even overshoots 1.0 by rounding for a wrong, longer answer)."""
     if answer is None:
         return False
     try:
@@ -179,8 +180,8 @@ def tool_line(family: str | None, action: Action) -> str:
 class ReasoningGym(Environment):
     name = "reasoning_gym"
     version = "1"
-    description = ("Small reasoning-gym tasks (chain sums, products, spelling backward; drift: phrasings, longer "
-                   "sums), truth and scoring by reasoning-gym; calc() tool for arithmetic.")
+    description = ("Small reasoning-gym arithmetic (chain sums, products; drift: natural phrasings, longer sums), "
+                   "truth and scoring by reasoning-gym; a calc() tool.")
     demo = True
     families = {n: FamilySpec(n, f.kind, f.appears_at) for n, f in FAMILIES.items()}
     max_turns = MAX_TURNS
