@@ -175,12 +175,14 @@ def test_rewards_tables_of_version_1_still_read(tmp_path):
     import pyarrow.parquet as pq
 
     rollouts, rewards = synthetic_tables(groups=2, group_size=2, seed=14)
-    v1 = rewards.drop_columns(["isolation", "infra_failure", "rollouts_hash"])
+    v1 = rewards.drop_columns(["isolation", "infra_failure", "rollouts_hash", "environment", "environment_version"])
     v1 = v1.replace_schema_metadata({"perpetua.table": "rewards", "perpetua.version": "1"})
     write_table(rollouts, ROLLOUTS, tmp_path / "r.parquet")
     pq.write_table(v1, tmp_path / "w.parquet")
     ro, rw = read_batch_tables([tmp_path / "r.parquet"], [tmp_path / "w.parquet"])
-    assert rw.schema.metadata[b"perpetua.version"] == b"2" and rw.column("infra_failure").to_pylist() == [False] * 4
+    assert rw.schema.metadata[b"perpetua.version"] == REWARDS.metadata[b"perpetua.version"]
+    assert rw.column("infra_failure").to_pylist() == [False] * 4
+    assert rw.column("environment").to_pylist() == ["calculator"] * 4  # tables before environments: the calculator world
     assert build_training_batch(ro, rw).stats.rollouts == 4
 
 
@@ -188,12 +190,13 @@ def test_rollouts_tables_of_version_1_read_as_policy_samples(tmp_path):
     import pyarrow.parquet as pq
 
     rollouts, rewards = synthetic_tables(groups=2, group_size=2, seed=15)
-    v1 = rollouts.drop_columns(["source", "sampling_round"])
+    v1 = rollouts.drop_columns(["source", "sampling_round", "environment", "environment_version"])
     v1 = v1.replace_schema_metadata({"perpetua.table": "rollouts", "perpetua.version": "1"})
     pq.write_table(v1, tmp_path / "r.parquet")
     write_table(rewards, REWARDS, tmp_path / "w.parquet")
     ro, rw = read_batch_tables([tmp_path / "r.parquet"], [tmp_path / "w.parquet"])
     assert ro.column("source").to_pylist() == ["policy"] * 4 and ro.column("sampling_round").to_pylist() == [0] * 4
+    assert ro.column("environment_version").to_pylist() == ["1"] * 4
     assert not any(s.off_policy for s in build_training_batch(ro, rw).samples)
 
 
