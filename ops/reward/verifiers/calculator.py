@@ -92,19 +92,13 @@ def parse_episode(completion_text: str, parse_line=parse_action, trailing_call_n
     return ep
 
 
-def judge(item: VerifyItem, ep: ParsedEpisode, actual: list[str | None] | None) -> Verification:
-    """The reward of one parsed episode, given the real tool results of its calls."""
-    task = item.task
-    expected = task.get("answer")
-    if expected is None:
-        return Verification.failed(Outcome.CRASHED, "ground truth has no answer")
-    expected = str(expected)
-    guards, problems, tool_checks = [], [], []
-
-    question = task.get("question")
-    if question is not None and item.prompt_text and item.prompt_text != f"{PROMPT_PREFIX}{question}\n":
+def episode_guards(ep: ParsedEpisode, text: str, prompt_text: str, question: str | None, max_turns: int) -> list[str]:
+    """The reward-hacking guards of every line-based episode: a prompt that is not the task's, the
+    question echoed, tool output the model wrote itself or left out, more than one answer, text
+    after the answer, more turns than allowed."""
+    guards = []
+    if question is not None and prompt_text and prompt_text != f"{PROMPT_PREFIX}{question}\n":
         guards.append("prompt_mismatch")
-    text = item.completion_text
     if (question and question in text) or any(line.startswith(PROMPT_PREFIX) for line in text.split("\n")):
         guards.append("echoes_question")
     if ep.orphan_results:
@@ -115,8 +109,21 @@ def judge(item: VerifyItem, ep: ParsedEpisode, actual: list[str | None] | None) 
         guards.append("multiple_answers")
     if ep.text_after_answer:
         guards.append("text_after_answer")
-    if ep.model_turns > MAX_TURNS:
+    if ep.model_turns > max_turns:
         guards.append("too_many_turns")
+    return guards
+
+
+def judge(item: VerifyItem, ep: ParsedEpisode, actual: list[str | None] | None) -> Verification:
+    """The reward of one parsed episode, given the real tool results of its calls."""
+    task = item.task
+    expected = task.get("answer")
+    if expected is None:
+        return Verification.failed(Outcome.CRASHED, "ground truth has no answer")
+    expected = str(expected)
+    problems, tool_checks = [], []
+    text = item.completion_text
+    guards = episode_guards(ep, text, item.prompt_text, task.get("question"), MAX_TURNS)
     answer_token = re.compile(rf"(?<![\d-]){re.escape(expected)}(?!\d)")
     if any(answer_token.search(line) for line in ep.invalid):
         guards.append("answer_outside_answer_line")

@@ -33,8 +33,6 @@ from ops.reward.verifiers.calculator import ParsedEpisode
 from ops.tasks.task_world import normalize_question
 
 VERSION = "1"
-PROMPT_PREFIX = "Q: "
-RESULT_PREFIX = "RESULT "
 MAX_COMPLETION_CHARS = 2048  # an honest episode is three short lines (under 200 characters)
 MAX_ANSWER_CHARS = 256
 
@@ -69,21 +67,8 @@ def verify_one(item: VerifyItem) -> Verification:
 
     text = item.completion_text
     ep = parse_episode(text[: MAX_COMPLETION_CHARS + 1])
-    guards, problems, tool_checks = [], [], []
-    if item.prompt_text and item.prompt_text != f"{PROMPT_PREFIX}{prompt_question}\n":
-        guards.append("prompt_mismatch")
-    if prompt_question in text or any(line.startswith(PROMPT_PREFIX) for line in text.split("\n")):
-        guards.append("echoes_question")
-    if ep.orphan_results:
-        guards.append("fabricated_tool_output")
-    if ep.missing_results:
-        guards.append("missing_tool_output")
-    if len(ep.answers) > 1:
-        guards.append("multiple_answers")
-    if ep.text_after_answer:
-        guards.append("text_after_answer")
-    if ep.model_turns > env.MAX_TURNS:
-        guards.append("too_many_turns")
+    problems, tool_checks = [], []
+    guards = calculator.episode_guards(ep, text, item.prompt_text, prompt_question, env.MAX_TURNS)
     if len(text) > MAX_COMPLETION_CHARS:
         guards.append("excessive_output")
     for call_index, claimed in ep.results:
