@@ -76,11 +76,14 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_
     except NoTrainingTasks as e:
         raise dg.Failure(str(e)) from None
     dynamic = dynamic_config(config)
+    env = home_environment()
+    max_tokens = env.completion_budget(config.max_tokens)
+    if max_tokens != config.max_tokens:
+        context.log.info(f"max_tokens {config.max_tokens} raised to {max_tokens}: {env.name}'s solutions need it")
     sampling = SamplingConfig(group_size=config.group_size, temperature=config.temperature, top_p=config.top_p,
-                              max_tokens=config.max_tokens, seed=config.seed)
+                              max_tokens=max_tokens, seed=config.seed)
     history = read_history(data, cycle, dynamic.curriculum.history_cycles)
     truth = load_ground_truth(data)
-    env = home_environment()
     try:
         sandbox = Sandbox()
     except SandboxUnavailable as e:

@@ -94,6 +94,10 @@ def test_solutions_fit_the_policy_context(env):
         text = env.solution_text(task)
         assert len(text) < 900, text
         assert len(tok.encode(text).ids) < 256, text
+        # the stages' budgets are raised to what a solved episode needs
+        completion = text[len(env.prompt_text(task)):]
+        assert len(tok.encode(completion).ids) <= env.min_completion_tokens, completion
+    assert env.completion_budget(64) == env.min_completion_tokens and env.completion_budget(512) == 512
 
 
 def test_escaping_round_trips(env):

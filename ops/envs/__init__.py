@@ -104,6 +104,9 @@ class Environment:
     demo: bool = False  # `perpetua demo --env NAME` runs on it (it can bootstrap a base policy)
     families: Mapping[str, FamilySpec] = {}
     max_turns: int = 3
+    # completion tokens (model and tool lines) the environment's solved episodes need: the stages'
+    # configured per-episode budgets are raised to it, since a smaller one can never be solved
+    min_completion_tokens: int = 0
     prompt_prefix: str = "Q: "
     result_prefix: str = "RESULT "
     answer_prefix: str = "ANSWER "
@@ -157,6 +160,11 @@ class Environment:
     def answer_matches(self, task: Task, final_answer: str | None) -> bool:
         """Whether a final answer is right (the default `production_check` asks this)."""
         return final_answer is not None and final_answer == task.answer
+
+    def completion_budget(self, configured: int) -> int:
+        """The per-episode token budget to sample with: the configured one, at least what this
+        environment's solutions need."""
+        return max(configured, self.min_completion_tokens)
 
     def production_check(self, task: Task, episode) -> bool:
         """What production observes of a finished episode (`ops.rollout.episodes.Episode`): the

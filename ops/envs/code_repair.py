@@ -209,6 +209,7 @@ class CodeRepair(Environment):
     demo = False
     families = FAMILIES
     max_turns = 6
+    min_completion_tokens = 128  # a patch, the tests, the answer and their results: ~75-95 tokens
 
     def generate_tasks(self, family: str, n: int, seed: int) -> list[Task]:
         bugs = [b for b in BUGS if b.family == family]

@@ -148,7 +148,8 @@ def evaluate_policy(engine: RolloutEngine, tokenizer, model_dir: Path, version: 
     generated). With `cache_root`, tasks this policy was already scored on with these settings
     reuse their recorded episodes, and newly scored ones are recorded (ops/evaluate/cache.py)."""
     env = env or get_environment()
-    sampling = SamplingConfig(group_size=cfg.samples, temperature=cfg.temperature, max_tokens=cfg.max_tokens, seed=cfg.seed)
+    sampling = SamplingConfig(group_size=cfg.samples, temperature=cfg.temperature,
+                              max_tokens=env.completion_budget(cfg.max_tokens), seed=cfg.seed)
     cache = EvalCache(cache_root, policy_key(model_dir, sampling.model_dump())) if cache_root is not None else None
     scores, samples, rows, seconds, tokens, reused = {}, {}, [], 0.0, 0, 0
     for name, tasks in sets.items():

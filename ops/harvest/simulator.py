@@ -130,7 +130,7 @@ def run_simulation(
     policy_version = engine.check_version(None)
     model_version = cfg.model_version or str(policy_version)
     runner = EpisodeRunner(engine, tokenizer, env)
-    settings = EpisodeConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=cfg.max_tokens)
+    settings = EpisodeConfig(temperature=cfg.temperature, top_p=cfg.top_p, max_tokens=env.completion_budget(cfg.max_tokens))
     traffic = Traffic(cfg.seed, env)
     records, times, files = [], [], []
     start = time.monotonic()
