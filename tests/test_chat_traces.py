@@ -28,6 +28,7 @@ from ops.harvest.harvester import harvest
 from ops.harvest.validation import accept_vectorised, conform
 from ops.tasks.task_world import normalize_question
 from test_harvest import SETTINGS, TASKS, lines, rec
+from test_traces import read_back
 
 
 def chat(i: int, task, outcome: str, answer: str, *, parts: bool = False, **overrides) -> dict:
@@ -161,13 +162,7 @@ def test_arrow_message_struct_mirrors_the_models():
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_write_traces_round_trips_chat_records(tmp_path, fmt):
     records = [TraceRecord.model_validate(r) for r in (WRONG, RIGHT, PARTS)]
-    path = write_traces(records, tmp_path, format=fmt)
-    if fmt == "jsonl":
-        back = [validate_json_line(line) for line in path.read_bytes().splitlines()]
-    else:
-        table = pq.read_table(path)
-        assert table.schema.remove_metadata() == TRACES.remove_metadata()
-        back = [validate_record(row) for row in table.to_pylist()]
+    back = read_back(write_traces(records, tmp_path, format=fmt), fmt)
     assert back == records and back[0].tool_calls[0].result == TASKS[0].answer
 
 

@@ -51,18 +51,22 @@ def test_arrow_schema_mirrors_the_pydantic_model():
     assert TRACES.field("timestamp").type == pa.timestamp("us", tz="UTC")
 
 
+def read_back(path, fmt: str) -> list[TraceRecord]:
+    """The records of a landing file as the contract reads them (a Parquet file in TRACES' schema)."""
+    if fmt == "jsonl":
+        return [validate_json_line(line) for line in path.read_bytes().splitlines()]
+    table = pq.read_table(path)
+    assert table.schema.remove_metadata() == TRACES.remove_metadata()
+    return [validate_record(row) for row in table.to_pylist()]
+
+
 @pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
 def test_writer_round_trips_and_is_atomic(tmp_path, fmt):
     records = [TraceRecord.model_validate(record(i)) for i in range(5)]
     path = write_traces(records, tmp_path / "landing", format=fmt)
     assert path.parent == tmp_path / "landing" and path.suffix == f".{fmt}"
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left behind
-    if fmt == "jsonl":
-        back = [validate_json_line(line) for line in path.read_bytes().splitlines()]
-    else:
-        table = pq.read_table(path)
-        assert table.schema.remove_metadata() == TRACES.remove_metadata()
-        back = [validate_record(row) for row in table.to_pylist()]
+    back = read_back(path, fmt)
     assert back == records
     assert back[0].timestamp == datetime(2025, 3, 1, 12, 0, 0, 250000, tzinfo=timezone.utc)
 
