@@ -50,11 +50,16 @@ def vllm_logprobs(hf_dir: Path, prompts: list[list[int]], llm=None) -> list[torc
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from ops.rollout.vllm_engine import make_llm
+    from ops.rollout.vllm_engine import make_llm, shutdown_llm
 
+    own = llm is None
     llm = llm or make_llm(str(hf_dir))
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
-                        SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0), use_tqdm=False)
+    try:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                            SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0), use_tqdm=False)
+    finally:
+        if own:
+            shutdown_llm(llm)
     return [torch.tensor([o.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))]) for o, p in zip(outs, prompts)]
 
 

@@ -38,7 +38,7 @@ from ops.rollout.engine import (
     read_policy_version,
 )
 from ops.rollout.vllm_worker import REFIT_METHOD
-from ops.rollout.vllm_engine import EngineConfig, make_llm
+from ops.rollout.vllm_engine import EngineConfig, make_llm, shutdown_llm
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +113,7 @@ class OfflineEngine(RolloutEngine):
     def _shutdown(self) -> None:
         llm, self._llm = self._llm, None
         if llm is not None:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception as e:  # noqa: BLE001 - a dead engine may fail to shut down cleanly
-                log.warning("vLLM engine shutdown: %s", e)
+            shutdown_llm(llm)
             del llm
 
     def _restart(self) -> None:

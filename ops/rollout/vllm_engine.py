@@ -8,12 +8,15 @@ defaults (bf16, CUDA graphs) unless configured otherwise.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Annotated
 
 from pydantic import BaseModel, Field
 
 from ops.policy.megatron_cpu import cuda_available
+
+log = logging.getLogger(__name__)
 
 
 class EngineConfig(BaseModel):
@@ -126,3 +129,16 @@ def make_llm(model_dir: str, cfg: EngineConfig | None = None):
     from vllm import LLM
 
     return LLM(**llm_kwargs(model_dir, cfg))
+
+
+def shutdown_llm(llm) -> None:
+    """Stop an in-process engine's core process while the interpreter is still whole.
+
+    Left to garbage collection at interpreter exit, the engine core can be torn down after
+    the threads that talk to it, and the process aborts ("terminate called without an
+    active exception") after its work was done, turning a finished command into a failure.
+    """
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception as e:  # noqa: BLE001 - a dead engine may fail to shut down cleanly
+        log.warning("vLLM engine shutdown: %s", e)
