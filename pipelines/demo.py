@@ -4,10 +4,15 @@ It starts what it needs (the MLflow server; the production vLLM server serving t
 bootstraps the base policy (cached by the asset itself), deploys it as the first champion, then
 for each cycle lets production traffic run and drift (the simulator logs MLflow traces into the
 demo's experiment, which the harvest reads; `traces="landing"` writes landing files instead) and runs the `perpetua_cycle` job exactly as the retraining sensor would: same
-job, a `perpetua/cycle` tag, the cycle's MLflow parent run as a tag. It executes each cycle in
-its own process (`execute_in_process`), which does not pass through the instance's run queue;
-the demo is one process and runs its cycles one after the other, and while one runs the
-retraining sensor sees it in progress and requests no other (pipelines/instance.py). Cycles are numbered after
+job, a `perpetua/cycle` tag, the cycle's MLflow parent run as a tag. By default it executes each
+cycle in its own process (`execute_in_process`), which does not pass through the instance's run
+queue; the demo is one process and runs its cycles one after the other, and while one runs the
+retraining sensor sees it in progress and requests no other (pipelines/instance.py). With
+`launch="daemon"` (the CLI's default on PostgreSQL) each cycle is queued instead and the Dagster
+daemon launches it as a run worker (pipelines/daemon.py), and once the cycle's own harvest has
+committed the demo runs a `harvest` job beside it, as the harvest schedule would: the run queue,
+the daemon, its run worker and the demo then write the instance's database at once, as they do
+on a cluster. Cycles are numbered after
 the ones already in the Dagster instance, and harvesting is incremental, so an interrupted demo
 can be run again without losing or duplicating anything. After each cycle it prints where the
 cycle's wall time went, engine compute against everything else per stage (ops/bench/cycle.py,
@@ -32,6 +37,7 @@ from typing import Callable
 from assets.cycle import CYCLE_JOB, CYCLE_TAG, TRIGGER_TAG
 from assets import cycle_run
 from assets.cycle_run import cycle_outcome
+from pipelines import daemon
 from pipelines.instance import prepare_dagster_home
 from ops.policy import versions as policies
 from ops.deploy import registry
@@ -53,11 +59,13 @@ class DemoConfig:
     automation: bool = True  # switch the sensor and schedules on in the instance when done
     traces: str = "mlflow"  # where production traffic goes: "mlflow" (traces in the experiment) or "landing" (files)
     environment: str | None = None  # the environment to train (ops/envs); None: the home's, else the calculator world
+    launch: str = "process"  # how cycles run: "process" (execute_in_process here) or "daemon" (queued, pipelines/daemon.py)
 
 
 # Dagster's console logger prints every engine event at DEBUG; the demo shows the stages' own
 # progress (INFO) and its per-cycle table.
 QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
+CYCLE_TIMEOUT_S = 3 * 3600.0  # a cycle the daemon runs that has not ended by then is reported, not awaited
 
 
 def job_run_config(settings: DemoConfig, job: str) -> dict:
@@ -212,6 +220,7 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
     production = resources["production_server"]
     started_servers = [p for p in (production.port, resources["trainer_server"].port) if vllm_server.status(p) is None]
     rows, failure_rates, overall_rates, automation_state = [], [], [], {}
+    started_daemon = False
 
     def traces_to(champion: str) -> Path | MlflowTraceSink:
         """Where this stretch's traces go; MLflow traces link the champion's LoggedModel."""
@@ -236,6 +245,11 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
             trainer_up = pool.submit(resources["trainer_server"].warm, policies.hf_dir(latest), latest)
             champion = ensure_champion(uri, production, log)
             trainer_up.result()
+        if settings.launch == "daemon":
+            started_daemon = daemon.status(h) is None
+            log("starting the Dagster daemon: cycles go through the instance's run queue" if started_daemon else
+                "using the running Dagster daemon of this home")
+            daemon.start(h)  # its run workers inherit this process's environment (tracking URI, ports)
         first = previous_cycles(instance) + 1
         total = first + settings.cycles - 1
         for cycle in range(first, first + settings.cycles):
@@ -249,13 +263,19 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
             log(f"cycle {cycle}: {traffic['requests']} production requests (drift t {lo:.2f}-{hi:.2f}), "
                 f"failure rate {traffic['overall_failure_rate']:.2f}")
             # The MLflow parent run is closed by its outcome, or KILLED if Ctrl-C lands outside the run.
+            tags = {CYCLE_TAG: str(cycle), TRIGGER_TAG: "demo"}
             with cycle_run.launched(uri, settings.experiment, cycle, launcher="demo") as parent:
-                result = defs.resolve_job_def(CYCLE_JOB).execute_in_process(
-                    instance=instance, tags={CYCLE_TAG: str(cycle), TRIGGER_TAG: "demo", **parent.tags},
-                    run_config=job_run_config(settings, CYCLE_JOB), raise_on_error=False)
+                if settings.launch == "daemon":
+                    result, beside = cycle_through_daemon(h, instance, defs, tags | parent.tags, settings, log)
+                else:
+                    result, beside = defs.resolve_job_def(CYCLE_JOB).execute_in_process(
+                        instance=instance, tags=tags | parent.tags, run_config=job_run_config(settings, CYCLE_JOB),
+                        raise_on_error=False), None
                 parent.finish(result)
             cycle_wall = time.monotonic() - launched_at
             row = cycle_row(cycle, result, traffic, parent.run_id, time.monotonic() - t0)
+            if beside is not None:
+                row["harvest_beside"] = beside
             if row["run_outcome"] == "interrupted":  # Dagster caught the Ctrl-C and failed the run
                 raise KeyboardInterrupt
             row["breakdown"] = record_breakdown(instance, uri, row, cycle_wall, launched_at - t0)
@@ -270,6 +290,8 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
         if settings.automation:
             automation_state = hand_over_to_daemon(h, log)
     finally:
+        if started_daemon:
+            daemon.stop(h)
         for port in started_servers:
             vllm_server.stop(port)
         if started_mlflow:
@@ -280,6 +302,34 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
     if settings.summary:
         Path(settings.summary).write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def cycle_through_daemon(h: Home, instance, defs, tags: dict[str, str], settings: DemoConfig,
+                         log: Callable[[str], None]) -> tuple[daemon.FinishedRun, dict]:
+    """Queue the cycle for the daemon and follow it; once its own harvest has committed, run a
+    `harvest` job here beside it, as the harvest schedule would while a cycle trains. Returns the
+    finished run and what the harvest beside it did. Ctrl-C terminates the queued or running cycle."""
+    run_id = daemon.submit(h, CYCLE_JOB, job_run_config(settings, CYCLE_JOB), tags)
+    say = lambda m: log(f"  daemon: {m}")  # noqa: E731
+    try:
+        finished = daemon.wait(instance, run_id, CYCLE_TIMEOUT_S, say,
+                               until=lambda: daemon.step_succeeded(instance, run_id, "harvested_failures"))
+        beside = None
+        if finished is None:  # the cycle is past its harvest and still running
+            began = time.time()
+            harvest = defs.resolve_job_def("harvest").execute_in_process(
+                instance=instance, run_config=QUIET_LOGS, tags={TRIGGER_TAG: "demo"}, raise_on_error=False)
+            mats = harvest.asset_materializations_for_node("harvested_failures")
+            cycle_running = not instance.get_run_by_id(run_id).is_finished
+            beside = {"dagster_run_id": harvest.run_id, "success": harvest.success, "seconds": round(time.time() - began, 1),
+                      "read": mats[0].metadata["read"].value if mats else None, "while_cycle_ran": cycle_running}
+            say(f"a harvest beside the cycle read {beside['read']} new records "
+                f"({'while it ran' if cycle_running else 'it had finished meanwhile'})")
+            finished = daemon.wait(instance, run_id, CYCLE_TIMEOUT_S, say)
+    except KeyboardInterrupt:
+        daemon.terminate(instance, run_id)
+        raise
+    return finished, beside
 
 
 def hand_over_to_daemon(h: Home, log: Callable[[str], None]) -> dict[str, str]:

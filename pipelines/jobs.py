@@ -27,9 +27,17 @@ JOB_TAGS: dict[str, dict[str, str]] = {CYCLE_JOB: {CYCLE_LOCK_TAG: "1"}}
 
 
 def build_jobs(present: set[str]) -> list:
-    """Asset jobs whose assets are all defined in this code location."""
+    """Asset jobs whose assets are all defined in this code location.
+
+    Their steps run in the run worker's own process (`in_process_executor`). Each job's steps
+    form a chain, so Dagster's default multiprocess executor would buy no parallelism, and every
+    step process would import torch, megatron-core and vLLM again: about 7 s per step, over a
+    minute per cycle launched by the daemon (measured in a two-cycle run, tests/test_daemon.py).
+    The engines themselves already run apart: the vLLM servers, the learner under torchrun.
+    """
     return [
-        dg.define_asset_job(name, selection=dg.AssetSelection.assets(*keys), description=desc, tags=JOB_TAGS.get(name))
+        dg.define_asset_job(name, selection=dg.AssetSelection.assets(*keys), description=desc, tags=JOB_TAGS.get(name),
+                            executor_def=dg.in_process_executor)
         for name, (keys, desc) in JOB_ASSETS.items()
         if set(keys) <= present
     ]

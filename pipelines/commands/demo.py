@@ -1,4 +1,4 @@
-"""`perpetua demo [--cycles N] [--summary FILE] [--db sqlite|postgres] [--env NAME]`: the main job, on
+"""`perpetua demo [--cycles N] [--summary FILE] [--db sqlite|postgres] [--launch process|daemon] [--env NAME]`: the main job, on
 the embedded default (SQLite) or on a local PostgreSQL server (pipelines/commands/db.py), in the
 calculator world or another registered environment (`perpetua envs`)."""
 
@@ -31,6 +31,10 @@ def add_arguments(p) -> None:
                         "(a local PostgreSQL server under PERPETUA_HOME/postgres, port PERPETUA_PG_PORT, default 5433; "
                         "it keeps running for `dagster dev` until `perpetua stop`). The home keeps the choice; "
                         "default: what the home uses, sqlite for a new one")
+    p.add_argument("--launch", choices=("process", "daemon"),
+                   help="how cycles run: in this process (execute_in_process), or queued and launched by the Dagster "
+                        "daemon (started for the demo) with a harvest run beside each cycle, as on a cluster. "
+                        "Default: daemon on PostgreSQL, process on SQLite")
 
 
 def run(args) -> int:
@@ -42,6 +46,7 @@ def run(args) -> int:
     from ops.common.postgres import PostgresConfigError
     from ops.serving.postgres_server import PostgresServerError
     from pipelines.commands.db import choose_backend
+    from pipelines.daemon import DaemonError
 
     if args.cycles < 1:
         raise UserError("--cycles must be at least 1")
@@ -52,6 +57,9 @@ def run(args) -> int:
     check_environment(args.environment, home())
     run_config = read_run_config(args.run_config) if args.run_config else {}
     choose_backend(home(), args.db)
+    from ops.common.postgres import uses_postgres
+
+    launch = args.launch or ("daemon" if uses_postgres(home()) else "process")
     args.summary = args.summary or home().root / "demo-summary.json"
     try:
         args.summary.parent.mkdir(parents=True, exist_ok=True)
@@ -60,8 +68,8 @@ def run(args) -> int:
     try:
         summary = run_demo(DemoConfig(cycles=args.cycles, traffic_per_cycle=args.traffic, summary=args.summary,
                                           automation=args.automation, run_config=run_config, traces=args.traces,
-                                      environment=args.environment))
-    except (MlflowServerError, VllmServerError, PostgresServerError, PostgresConfigError) as e:  # a port taken, a server that cannot start
+                                      environment=args.environment, launch=launch))
+    except (MlflowServerError, VllmServerError, PostgresServerError, PostgresConfigError, DaemonError) as e:  # a port taken, a server that cannot start
         raise UserError(str(e)) from None
     except DagsterInvalidConfigError as e:
         raise UserError(f"--run-config {args.run_config}: {e}") from None
