@@ -12,7 +12,7 @@ in production.
   daemon the instance requires has sent a heartbeat; `stop` ends it.
 - `submit` puts a run of a job into the queue through Dagster's own CLI (`dagster job launch`),
   against `workspace.yaml`, so the run carries the same code-location origin as the UI's runs.
-- `wait` follows a run to its end and returns a `FinishedRun`, which reads like the result of
+- `wait` (or a `Follower`, which also reports progress) follows a run to its end and returns a `FinishedRun`, which reads like the result of
   `execute_in_process` (success, events, materializations), so one summary serves both paths.
 """
 
@@ -151,30 +151,48 @@ def step_succeeded(instance, run_id: str, step_key: str) -> bool:
                and e.dagster_event.step_key == step_key for e in instance.all_logs(run_id))
 
 
-def wait(instance, run_id: str, timeout_s: float, progress: Callable[[str], None] | None = None,
-         until: Callable[[], bool] | None = None, poll_s: float = 2.0) -> FinishedRun | None:
-    """Follow `run_id` until it finishes (returns its `FinishedRun`) or `until()` holds (returns
-    None); `progress` hears each status change and each step that starts, succeeds or fails."""
-    deadline, last, seen = time.monotonic() + timeout_s, None, 0
-    while True:
-        run = instance.get_run_by_id(run_id)
+class Follower:
+    """Follows one run: `wait` polls it until it finishes or a condition holds, and tells
+    `progress` each status change and each step that starts, succeeds or fails, once, across
+    calls."""
+
+    STEP_EVENTS = ("STEP_START", "STEP_SUCCESS", "STEP_FAILURE")
+
+    def __init__(self, instance, run_id: str, progress: Callable[[str], None] | None = None):
+        self.instance, self.run_id, self.progress = instance, run_id, progress
+        self._status: str | None = None
+        self._steps_told = 0
+
+    def _tell(self, run) -> None:
         status = run.status.value if run else "NOT_FOUND"
-        if progress:
-            if status != last:
-                progress(f"run {run_id[:8]} {status.lower()}")
-            steps = [e.dagster_event for e in instance.all_logs(run_id) if e.dagster_event is not None
-                     and e.dagster_event.event_type_value in ("STEP_START", "STEP_SUCCESS", "STEP_FAILURE")]
-            for e in steps[seen:]:
-                progress(f"{e.step_key}: {e.event_type_value.removeprefix('STEP_').lower()}")
-            seen = len(steps)
-        last = status
-        if run is not None and run.is_finished:
-            return FinishedRun(instance, run_id)
-        if until is not None and until():
-            return None
-        if time.monotonic() > deadline:
-            raise DaemonError(f"run {run_id} still {status} after {timeout_s:.0f} s")
-        time.sleep(poll_s)
+        if status != self._status:
+            self.progress(f"run {self.run_id[:8]} {status.lower()}")
+        self._status = status
+        steps = [e.dagster_event for e in self.instance.all_logs(self.run_id)
+                 if e.dagster_event is not None and e.dagster_event.event_type_value in self.STEP_EVENTS]
+        for e in steps[self._steps_told:]:
+            self.progress(f"{e.step_key}: {e.event_type_value.removeprefix('STEP_').lower()}")
+        self._steps_told = len(steps)
+
+    def wait(self, timeout_s: float, until: Callable[[], bool] | None = None, poll_s: float = 2.0) -> FinishedRun | None:
+        """The `FinishedRun` once the run has finished, or None as soon as `until()` holds."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            run = self.instance.get_run_by_id(self.run_id)
+            if self.progress:
+                self._tell(run)
+            if run is not None and run.is_finished:
+                return FinishedRun(self.instance, self.run_id)
+            if until is not None and until():
+                return None
+            if time.monotonic() > deadline:
+                raise DaemonError(f"run {self.run_id} still {run.status.value if run else 'not found'} after {timeout_s:.0f} s")
+            time.sleep(poll_s)
+
+
+def wait(instance, run_id: str, timeout_s: float) -> FinishedRun:
+    """Wait for `run_id` to finish."""
+    return Follower(instance, run_id).wait(timeout_s)
 
 
 def terminate(instance, run_id: str) -> None:

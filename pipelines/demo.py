@@ -311,9 +311,9 @@ def cycle_through_daemon(h: Home, instance, defs, tags: dict[str, str], settings
     finished run and what the harvest beside it did. Ctrl-C terminates the queued or running cycle."""
     run_id = daemon.submit(h, CYCLE_JOB, job_run_config(settings, CYCLE_JOB), tags)
     say = lambda m: log(f"  daemon: {m}")  # noqa: E731
+    follow = daemon.Follower(instance, run_id, say)
     try:
-        finished = daemon.wait(instance, run_id, CYCLE_TIMEOUT_S, say,
-                               until=lambda: daemon.step_succeeded(instance, run_id, "harvested_failures"))
+        finished = follow.wait(CYCLE_TIMEOUT_S, until=lambda: daemon.step_succeeded(instance, run_id, "harvested_failures"))
         beside = None
         if finished is None:  # the cycle is past its harvest and still running
             began = time.time()
@@ -325,7 +325,7 @@ def cycle_through_daemon(h: Home, instance, defs, tags: dict[str, str], settings
                       "read": mats[0].metadata["read"].value if mats else None, "while_cycle_ran": cycle_running}
             say(f"a harvest beside the cycle read {beside['read']} new records "
                 f"({'while it ran' if cycle_running else 'it had finished meanwhile'})")
-            finished = daemon.wait(instance, run_id, CYCLE_TIMEOUT_S, say)
+            finished = follow.wait(CYCLE_TIMEOUT_S)
     except KeyboardInterrupt:
         daemon.terminate(instance, run_id)
         raise

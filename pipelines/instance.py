@@ -10,7 +10,10 @@ The instance configuration keeps the loop to one cycle at a time by Dagster's ow
   policy versions, the learner checkpoints and the landing zone;
 - run retries re-launch a run once when its run worker died (a crash, a killed process), not
   when an asset or a check failed: a blocked deploy gate is a designed outcome and a broken
-  stage fails the same way twice.
+  stage fails the same way twice;
+- a worker's death is noticed by the code server that started it, and, when that died too (a
+  reboot), by run monitoring through the launcher's health check (pipelines/run_launcher.py),
+  so an orphaned cycle run is failed instead of holding the cycle lock for ever.
 
 Runs executed in process (`perpetua demo`, `perpetua harvest`) do not pass through the queue:
 they run in the calling process, one after the other. The retraining sensor still sees them
@@ -40,7 +43,8 @@ from ops.common import postgres as pg
 from ops.common.atomic import atomic_write_text
 from ops.common.paths import Home, home
 
-INSTANCE_YAML = f"""\
+# The queue and the retries (what the project wrote before the launcher and run monitoring).
+_INSTANCE_YAML_V2 = f"""\
 # The Dagster instance of this PERPETUA_HOME, written by perpetua (pipelines/instance.py).
 # An edited file is kept as it is.
 telemetry:
@@ -60,6 +64,18 @@ run_retries:
   max_retries: 1
   retry_on_asset_or_op_failure: false
 """
+INSTANCE_YAML = _INSTANCE_YAML_V2 + """\
+# Dagster's default launcher, able to tell whether a run's worker still lives, so that run
+# monitoring fails a run orphaned by a reboot instead of leaving it to hold the cycle lock.
+run_launcher:
+  module: pipelines.run_launcher
+  class: LocalRunLauncher
+run_monitoring:
+  enabled: true
+  start_timeout_seconds: 600
+  poll_interval_seconds: 15
+  max_resume_run_attempts: 0
+"""
 
 POSTGRES_STORAGE = """\
 # Run, event-log and schedule storage: the PostgreSQL server of this PERPETUA_HOME
@@ -75,13 +91,14 @@ storage:
       scheme: "{scheme}"
 """
 
-# What earlier versions of the project wrote; such a file is replaced by INSTANCE_YAML.
-_PREVIOUS = {"", "telemetry:\n  enabled: false\n"}
+# What earlier versions of the project wrote; such a file is brought up to INSTANCE_YAML.
+_PREVIOUS = {"", "telemetry:\n  enabled: false\n", _INSTANCE_YAML_V2}
 
 
-def postgres_instance_yaml(settings: pg.PostgresSettings, password: str, db_name: str = "dagster") -> str:
-    """INSTANCE_YAML with the storage on PostgreSQL."""
-    return INSTANCE_YAML + POSTGRES_STORAGE.format(
+def postgres_instance_yaml(settings: pg.PostgresSettings, password: str, db_name: str = "dagster",
+                           base: str = INSTANCE_YAML) -> str:
+    """INSTANCE_YAML (or an earlier `base`) with the storage on PostgreSQL."""
+    return base + POSTGRES_STORAGE.format(
         host=settings.host, port=settings.port, user=settings.user, password=password, db_name=db_name, scheme=pg.SCHEME
     )
 
@@ -98,7 +115,8 @@ def _written_by_us(text: str) -> bool:
     try:
         db = yaml.safe_load(text)["storage"]["postgres"]["postgres_db"]
         s = pg.PostgresSettings(host=db["hostname"], port=int(db["port"]), user=db["username"])
-        return text == postgres_instance_yaml(s, db["password"], db["db_name"])
+        return any(text == postgres_instance_yaml(s, db["password"], db["db_name"], base)
+                   for base in (INSTANCE_YAML, _INSTANCE_YAML_V2))
     except (yaml.YAMLError, TypeError, KeyError, ValueError):
         return False
 

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 
 import dagster as dg
@@ -235,8 +234,13 @@ def test_the_instance_yaml_follows_the_home_and_keeps_edits(tmp_path):
     path = write_instance_yaml(d, text)
     assert path.read_text() == text and (path.stat().st_mode & 0o777) == 0o600
     assert write_instance_yaml(d, postgres_instance_yaml(pg.PostgresSettings(port=6544), "pw")).read_text().count("6544") == 1
-    path.write_text(text.replace("enabled: false", "enabled: true"))  # edited by someone: kept
-    assert "enabled: true" in write_instance_yaml(d, text).read_text()
+    from pipelines.instance import _INSTANCE_YAML_V2
+
+    path.write_text(postgres_instance_yaml(s, "pw", base=_INSTANCE_YAML_V2))  # what an earlier version wrote: upgraded
+    assert write_instance_yaml(d, text).read_text() == text
+    edited = text.replace("telemetry:\n  enabled: false", "telemetry:\n  enabled: true")
+    path.write_text(edited)  # edited by someone: kept
+    assert write_instance_yaml(d, text).read_text() == edited
 
 
 def test_a_home_the_postgres_user_cannot_reach_is_refused_clearly():

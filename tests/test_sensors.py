@@ -282,15 +282,19 @@ def test_the_instance_queues_one_cycle_at_a_time_and_retries_crashed_runs(tmp_pa
         assert {"key": "perpetua/cycle-lock", "value": "1", "limit": 1} in limits
         assert instance.run_retries_enabled and instance.run_retries_max_retries == 1
         assert not instance.run_retries_retry_on_asset_or_op_failure  # a blocked gate is not retried
+        # Run monitoring asks the launcher whether a run's worker lives (tests/test_daemon.py).
+        assert instance.run_launcher.supports_check_run_worker_health and instance.run_monitoring_enabled
+        assert instance.run_monitoring_max_resume_run_attempts == 0
 
 
 def test_an_edited_instance_yaml_is_kept_and_an_old_project_one_upgraded(tmp_path):
-    from pipelines.instance import INSTANCE_YAML, write_instance_yaml
+    from pipelines.instance import _INSTANCE_YAML_V2, INSTANCE_YAML, write_instance_yaml
 
     old = tmp_path / "old"
     old.mkdir()
-    (old / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
-    assert write_instance_yaml(old).read_text() == INSTANCE_YAML
+    for earlier in ("telemetry:\n  enabled: false\n", _INSTANCE_YAML_V2):  # what earlier versions wrote
+        (old / "dagster.yaml").write_text(earlier)
+        assert write_instance_yaml(old).read_text() == INSTANCE_YAML
     edited = tmp_path / "edited"
     edited.mkdir()
     (edited / "dagster.yaml").write_text("telemetry:\n  enabled: true\n")

@@ -7,6 +7,10 @@ SIGKILLs itself there, exactly as an OOM killer or a power cut would (no cleanup
 The fault-injection tests (tests/test_faults.py, tests/test_learner_resume.py) run a stage in a subprocess with the variable
 set, then check that a rerun, or the next start, leaves everything consistent. Unset (always, in
 production), a point costs one environment lookup.
+
+With PERPETUA_FAULT_ONCE naming a file as well, only the first process to reach the point dies
+(it creates the file); the processes after it pass. That is how a test kills a Dagster run
+worker once and lets the run retry that follows it, which inherits the same environment, live.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import signal
 
 ENV = "PERPETUA_FAULT"
+ONCE_ENV = "PERPETUA_FAULT_ONCE"
 
 HARVEST_BEFORE_CURSOR = "harvest.before_cursor"  # the generation's tables are written, the cursor not yet
 DEPLOY_AFTER_REFIT = "deploy.after_refit"  # the server serves the new version, the champion alias is not moved yet
@@ -23,6 +28,14 @@ LEARNER_BEFORE_COMMIT = "learner.before_commit"  # checkpoint tensors written, C
 
 
 def point(name: str) -> None:
-    """SIGKILL this process here when env PERPETUA_FAULT is `name`."""
-    if os.environ.get(ENV) == name:
-        os.kill(os.getpid(), signal.SIGKILL)
+    """SIGKILL this process here when env PERPETUA_FAULT is `name` (and, with PERPETUA_FAULT_ONCE,
+    no process has died here before)."""
+    if os.environ.get(ENV) != name:
+        return
+    once = os.environ.get(ONCE_ENV)
+    if once:
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return
+    os.kill(os.getpid(), signal.SIGKILL)

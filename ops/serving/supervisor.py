@@ -209,6 +209,18 @@ def alive(pid: int) -> bool:
         return False
 
 
+def started_at(pid: int) -> float | None:
+    """When process `pid` started (epoch seconds), or None if it does not run."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time, clock ticks after boot
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
+
+
 def cmdline(pid: int) -> list[bytes]:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
