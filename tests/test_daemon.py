@@ -182,6 +182,15 @@ def test_two_cycles_requested_at_once_run_one_after_the_other(daemon_home):
                  for r in instance.fetch_materializations(dg.AssetKey("harvested_failures"), limit=10).records]
         assert sorted(reads) == [0, 8, 24]
         assert [r["failures_harvested"] for r in rows] == [24, 0]
+        # The audit of the last cycle walks back through every harvest, the killed one aside, to
+        # every landed failure; nothing is missing but the base policy, which this home was given
+        # as files rather than materialized.
+        from pipelines.audit import audit_run
+
+        audit = audit_run(instance, retry.run_id)
+        assert {m.asset_key for m in audit.missing} == {"base_policy"}, audit.missing
+        assert sorted(audit.trace_ids) == sorted(f"prod-{i}" for i in [*range(24), *range(100, 108)])
+        assert audit.policy_version == 2
         logs = "\n".join(str(e.message) for r in records for e in instance.all_logs(r.dagster_run.run_id))
     assert "database is locked" not in logs + Path(daemon.status(h).log).read_text()
     if db == "postgres":
