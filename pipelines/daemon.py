@@ -50,11 +50,11 @@ class DaemonProcess:
 
 
 def _pid_file(h: Home) -> Path:
-    return h.root / "services" / "dagster-daemon.json"
+    return supervisor.services_dir(h) / "dagster-daemon.json"
 
 
 def _log_file(h: Home) -> Path:
-    return h.root / "services" / "dagster-daemon.log"
+    return supervisor.services_dir(h) / "dagster-daemon.log"
 
 
 def _healthy_since(h: Home, since: float) -> bool:
@@ -84,12 +84,8 @@ def start(h: Home, timeout_s: float = START_TIMEOUT_S, workspace: Path = WORKSPA
     svc = _service(h)
     svc.pid_file.parent.mkdir(parents=True, exist_ok=True)
     began = time.time()
-    argv = [sys.executable, "-m", "dagster._daemon", "run", "-w", str(workspace)]
-    with open(svc.log_file, "ab") as log:
-        log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=workspace.parent,
-                                env={**os.environ, "DAGSTER_HOME": str(h.dagster)}, start_new_session=True)
+    proc = supervisor.spawn(supervisor.Launch([sys.executable, "-m", "dagster._daemon", "run", "-w", str(workspace)],
+                                              workspace.parent, {**os.environ, "DAGSTER_HOME": str(h.dagster)}), svc.log_file)
     try:
         while not _healthy_since(h, began):
             if proc.poll() is not None:
@@ -147,8 +143,10 @@ class FinishedRun:
 
 def step_succeeded(instance, run_id: str, step_key: str) -> bool:
     """True once the run's step `step_key` has succeeded."""
-    return any(e.dagster_event and e.dagster_event.event_type_value == "STEP_SUCCESS"
-               and e.dagster_event.step_key == step_key for e in instance.all_logs(run_id))
+    import dagster as dg
+
+    return any(e.dagster_event.step_key == step_key
+               for e in instance.all_logs(run_id, of_type=dg.DagsterEventType.STEP_SUCCESS))
 
 
 class Follower:
@@ -156,7 +154,6 @@ class Follower:
     `progress` each status change and each step that starts, succeeds or fails, once, across
     calls."""
 
-    STEP_EVENTS = ("STEP_START", "STEP_SUCCESS", "STEP_FAILURE")
 
     def __init__(self, instance, run_id: str, progress: Callable[[str], None] | None = None):
         self.instance, self.run_id, self.progress = instance, run_id, progress
@@ -168,8 +165,10 @@ class Follower:
         if status != self._status:
             self.progress(f"run {self.run_id[:8]} {status.lower()}")
         self._status = status
-        steps = [e.dagster_event for e in self.instance.all_logs(self.run_id)
-                 if e.dagster_event is not None and e.dagster_event.event_type_value in self.STEP_EVENTS]
+        import dagster as dg
+
+        kinds = {dg.DagsterEventType.STEP_START, dg.DagsterEventType.STEP_SUCCESS, dg.DagsterEventType.STEP_FAILURE}
+        steps = [e.dagster_event for e in self.instance.all_logs(self.run_id, of_type=kinds)]
         for e in steps[self._steps_told:]:
             self.progress(f"{e.step_key}: {e.event_type_value.removeprefix('STEP_').lower()}")
         self._steps_told = len(steps)

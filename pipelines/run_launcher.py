@@ -16,7 +16,7 @@ On a cluster the instance uses the Kubernetes launcher, which has its own health
 
 from __future__ import annotations
 
-from dagster import DefaultRunLauncher
+from dagster import DagsterEventType, DefaultRunLauncher
 from dagster._core.launcher import CheckRunHealthResult, WorkerStatus
 
 from ops.serving import supervisor
@@ -27,11 +27,8 @@ CLOCK_SLACK_S = 2.0  # the event's timestamp and /proc's start time come from di
 def worker_pid(instance, run_id: str) -> tuple[int, float] | None:
     """(pid, event timestamp) of the process that executes the run, from its first engine event
     that names one; None when the run has recorded none yet."""
-    for record in instance.all_logs(run_id):
-        event = record.dagster_event
-        if event is None or event.event_type_value != "ENGINE_EVENT":
-            continue
-        pid = (event.engine_event_data.metadata or {}).get("pid")
+    for record in instance.all_logs(run_id, of_type=DagsterEventType.ENGINE_EVENT):
+        pid = (record.dagster_event.engine_event_data.metadata or {}).get("pid")
         if pid is not None:
             return int(pid.value), record.timestamp
     return None

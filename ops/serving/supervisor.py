@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Generic, Protocol, TypeVar
 
+from ops.common.paths import Home
+
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 BUSY_WAIT_S = 30.0  # how long `start` waits on a recorded server of ours that does not answer yet
 
@@ -67,6 +69,11 @@ class Launch:
 
 
 # ---- the lifecycle ------------------------------------------------------------------------
+
+
+def services_dir(h: Home) -> Path:
+    """Where this home's supervised processes keep their pid files and logs."""
+    return h.root / "services"
 
 
 def require_local(svc: Service, host: str) -> None:
@@ -129,14 +136,7 @@ def start(
     for d in (svc.pid_file.parent, svc.log_file.parent, how.cwd):
         d.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
-    with open(svc.log_file, "ab") as log:
-        log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(how.argv)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(
-            how.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=how.cwd,
-            env=how.env, start_new_session=True,
-            **({"user": how.user, "group": how.user, "extra_groups": []} if how.user else {}),
-        )  # fmt: skip
+    proc = spawn(how, svc.log_file)
     url = f"http://{host}:{port}"
     try:
         deadline = began + timeout_s
@@ -157,6 +157,19 @@ def start(
             pass
         raise
     return info
+
+
+def spawn(how: Launch, log_file: Path) -> subprocess.Popen:
+    """Start `how` in its own session (process group), its output appended to `log_file` after a
+    line naming the command."""
+    with open(log_file, "ab") as log:
+        log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(how.argv)}\n".encode())
+        log.flush()
+        return subprocess.Popen(
+            how.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=how.cwd,
+            env=how.env, start_new_session=True,
+            **({"user": how.user, "group": how.user, "extra_groups": []} if how.user else {}),
+        )  # fmt: skip
 
 
 def stop(svc: Service, grace_s: float) -> bool:

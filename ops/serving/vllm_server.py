@@ -53,16 +53,12 @@ class VllmServer:
     reused: bool = False
 
 
-def services_dir(h: Home) -> Path:
-    return h.root / "services"
-
-
 def pid_file(h: Home, port: int) -> Path:
-    return services_dir(h) / f"vllm-{port}.json"
+    return supervisor.services_dir(h) / f"vllm-{port}.json"
 
 
 def log_file(h: Home, port: int) -> Path:
-    return services_dir(h) / f"vllm-{port}.log"
+    return supervisor.services_dir(h) / f"vllm-{port}.log"
 
 
 def health(url: str, timeout_s: float = 2.0) -> bool:
@@ -110,7 +106,7 @@ def start(
         env[KEY_ENV] = env["VLLM_API_KEY"] = key
         argv = [sys.executable, "-m", ENTRYPOINT, *server_args(str(model_dir), cfg, host, port),
                 "--middleware", AUTH_MIDDLEWARE]
-        return supervisor.Launch(argv, services_dir(h), env, lambda code: start_failure(code, log_file(h, port), env))
+        return supervisor.Launch(argv, supervisor.services_dir(h), env, lambda code: start_failure(code, log_file(h, port), env))
 
     def ready(pid: int, url: str, seconds: float) -> VllmServer:
         if version is not None:
@@ -138,7 +134,7 @@ def start_failure(code: int, log_path: Path, env: dict[str, str]) -> str:
 def recorded_ports(h: Home | None = None) -> list[int]:
     """Ports with a server pid file in this home (running or stale)."""
     h = h or home()
-    ports = (p.stem.removeprefix("vllm-") for p in services_dir(h).glob("vllm-*.json"))
+    ports = (p.stem.removeprefix("vllm-") for p in supervisor.services_dir(h).glob("vllm-*.json"))
     return sorted(int(p) for p in ports if p.isdigit())
 
 

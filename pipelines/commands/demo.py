@@ -43,7 +43,7 @@ def run(args) -> int:
     from dagster import DagsterInvalidConfigError
 
     from ops.serving.vllm_server import VllmServerError
-    from ops.common.postgres import PostgresConfigError
+    from ops.common.postgres import PostgresConfigError, uses_postgres
     from ops.serving.postgres_server import PostgresServerError
     from pipelines.commands.db import choose_backend
     from pipelines.daemon import DaemonError
@@ -57,8 +57,6 @@ def run(args) -> int:
     check_environment(args.environment, home())
     run_config = read_run_config(args.run_config) if args.run_config else {}
     choose_backend(home(), args.db)
-    from ops.common.postgres import uses_postgres
-
     launch = args.launch or ("daemon" if uses_postgres(home()) else "process")
     args.summary = args.summary or home().root / "demo-summary.json"
     try:
