@@ -50,6 +50,12 @@ def cycle_of(context, explicit: int | None = None, upstream: str | None = None,
 
 
 def own_run_ids(context) -> set[str]:
-    """This run and the runs it re-executes: whose outputs a step of this run may act on."""
+    """This run and every run it re-executes, back to the root: whose outputs a step of this run
+    may act on. A retry of a retry has the killed run as parent and the first run as root; the
+    stage that wrote an output may be any run in between, so the whole chain counts."""
+    ids: set[str] = set()
     run = context.run
-    return {run.run_id, run.parent_run_id, run.root_run_id} - {None}
+    while run is not None and run.run_id not in ids:
+        ids.add(run.run_id)
+        run = context.instance.get_run_by_id(run.parent_run_id) if run.parent_run_id else None
+    return ids | ({context.run.root_run_id} - {None})

@@ -3,12 +3,14 @@
 - Open: the launcher opens it before the Dagster run starts (`launched`, used by the demo) and
   passes it to the run as the `perpetua/mlflow_run_id` tag; a run that carries no such tag (the
   retraining sensor's, the UI's) gets it from its first stage, found or opened by (cycle,
-  Dagster run id) in `cycle_run_id`, so every stage of one run logs under the same parent.
+  Dagster root run id) in `cycle_run_id`, so every stage of one run, and of the retries and
+  re-executions of it, logs under the same parent.
 - Nest: each stage opens its own run under `cycle_run_id(...)` with `tracking.stage_run`.
 - Close: with the cycle's outcome. The launcher closes what it launched (`LaunchedCycle.finish`,
   or on the way out of `launched` when interrupted or broken); the run-status sensors
-  (pipelines/sensors.py) close the runs the daemon launched (`close_dagster_run`). Closing is
-  idempotent: a run already ended keeps its status.
+  (pipelines/sensors.py) close the runs the daemon launched (`close_dagster_run`), except a failed
+  run Dagster is about to retry (its retry closes it). Closing is idempotent: a run already ended
+  keeps its status.
 
 A cycle ends one of four ways: it deployed (`success`), the deploy gate blocked the candidate
 (`gate-blocked`: a designed outcome, so its MLflow run is FINISHED, not FAILED), it was
@@ -24,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ops.common import tracking
+
+WILL_RETRY_TAG = "dagster/will_retry"  # set by Dagster on a failed run it is retrying
 
 PARENT_RUN_TAG = "perpetua/mlflow_run_id"
 MLFLOW_STATUS = {"success": "FINISHED", "gate-blocked": "FINISHED", "interrupted": "KILLED", "failed": "FAILED"}
@@ -41,15 +45,16 @@ def open_cycle_run(uri: str, experiment: str, cycle: int, *, dagster_run_id: str
 
 def cycle_run_id(context, uri: str, experiment: str, cycle: int) -> str:
     """The parent run a stage of this Dagster run nests under: the launcher's (run tag), else the
-    one an earlier stage of the run opened, else a new one."""
+    one an earlier stage of the run, or of the run it re-executes, opened, else a new one."""
     run = context.run
     tagged = run.tags.get(PARENT_RUN_TAG)
     if tagged:
         return tagged
-    found = find_cycle_run(uri, experiment, run.run_id, cycle)
+    root = run.root_run_id or run.run_id  # a retry of a retry has the first run as its root
+    found = find_cycle_run(uri, experiment, root, cycle)
     if found:
         return found
-    return open_cycle_run(uri, experiment, cycle, dagster_run_id=run.run_id)
+    return open_cycle_run(uri, experiment, cycle, dagster_run_id=root)
 
 
 def find_cycle_run(uri: str, experiment: str, dagster_run_id: str, cycle: int | None = None) -> str | None:
@@ -114,9 +119,12 @@ class Closed:
 
 
 def close_dagster_run(uri: str, experiment: str, run, succeeded: bool, events: Iterable) -> Closed:
-    """Close the parent run of the finished Dagster run `run` (a DagsterRun) by its outcome."""
+    """Close the parent run of the finished Dagster run `run` (a DagsterRun) by its outcome; left
+    open when the run failed and Dagster will retry it (the retry logs under the same parent)."""
     outcome = cycle_outcome(succeeded, events)
-    parent = run.tags.get(PARENT_RUN_TAG) or find_cycle_run(uri, experiment, run.run_id)
+    parent = run.tags.get(PARENT_RUN_TAG) or find_cycle_run(uri, experiment, run.root_run_id or run.run_id)
+    if not succeeded and run.tags.get(WILL_RETRY_TAG) == "true":
+        return Closed(outcome, parent, None)
     if parent is None:
         return Closed(outcome, None, None)
     return Closed(outcome, parent, close(uri, parent, outcome, run.run_id))

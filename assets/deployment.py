@@ -14,7 +14,7 @@ from ops.common.paths import home
 from ops.deploy.deploy import deploy_policy
 from ops.evaluate import report as reports
 from ops.harvest import verdicts
-from ops.common import tracking
+from ops.common import faults, tracking
 from ops.envs.home import home_environment, stage_code_version
 from assets.resources import MlflowTracking, PolicyServer
 
@@ -65,6 +65,7 @@ def deployment(context: dg.AssetExecutionContext, production_server: PolicyServe
         why=f"model version {version} (policy v{candidate}) solves this task on cycle {cycle}'s harvested slice "
             f"({report['known_failures_fixed'][0]}/{report['known_failures_fixed'][1]} known failures fixed)",
     )  # fmt: skip
+    faults.stage_done("deployment")
     return dg.MaterializeResult(
         metadata={
             "cycle": cycle,

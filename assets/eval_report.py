@@ -15,7 +15,7 @@ from assets.cycle import cycle_of, own_run_ids
 from assets.cycle_run import cycle_run_id
 from assets.metering import cost_metadata, metered
 from assets.resources import MlflowTracking, PolicyServer
-from ops.common import tracking
+from ops.common import faults, tracking
 from ops.common.paths import home
 from ops.common.tables import REWARDS, ROLLOUTS, read_table, table_hash
 from ops.cost import cycle_costs
@@ -118,6 +118,7 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
     eval_run, model_id, evaluation = _log_eval(context, uri, parent, cycle, report, sets, cand, champ,
                                                champion_registry_version)
     plot = _log_campaign(uri, mlflow.experiment, parent, record, cost, path)
+    faults.stage_done("eval_report")
     return dg.MaterializeResult(
         metadata={
             "cycle": cycle,

@@ -15,7 +15,7 @@ from ops.harvest.harvester import HARVEST_CODE_VERSION, HarvestConfig, HarvestEr
 from ops.harvest.known_versions import resolve_known_versions
 from ops.harvest import verdicts
 from ops.harvest.mlflow_source import MlflowTraceSource
-from ops.common import tracking
+from ops.common import faults, tracking
 from ops.common.lineage import CONTINUES_FROM
 from ops.envs.home import stage_code_version
 from assets.resources import MlflowTracking
@@ -55,13 +55,17 @@ def harvested_failures(context: dg.AssetExecutionContext, config: HarvestedFailu
     if experiments:
         source = MlflowTraceSource(tracking_uri=tracking.tracking_uri(explicit_uri), experiment_names=experiments)
     try:
+        # Keyed by the run chain: a re-execution of a run whose worker died after the harvest
+        # committed, before Dagster recorded it, reports that harvest again (ops/harvest/harvester.py).
         result = harvest(HarvestConfig(known_model_versions=known, max_record_bytes=config.max_record_bytes,
-                                       quiet_seconds=config.quiet_seconds, mlflow=source))
+                                       quiet_seconds=config.quiet_seconds, mlflow=source),
+                         run_key=context.run.root_run_id or context.run.run_id)
     except HarvestError as e:  # no known model version: nothing read, the landing zone kept
         raise dg.Failure(description=f"{e} (known versions from: {known_from})") from None
     metadata = harvest_metadata(result, sorted(known), known_from)
     if source is not None:
         metadata |= _write_back(context, source, result)
+    faults.stage_done("harvested_failures")
     return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(result.data_version))
 
 

@@ -23,6 +23,7 @@ from assets.cycle_run import cycle_run_id
 from assets.metering import cost_metadata, metered
 from assets.resources import PolicyLineage
 
+from ops.common import faults
 from ops.common.paths import home
 from ops.envs.home import stage_code_version
 
@@ -161,6 +162,7 @@ def policy_checkpoint(
     tasks = current_training_tasks_path()
     if tasks is not None:
         mark_trained(tasks)
+    faults.stage_done("policy_checkpoint")
     return dg.MaterializeResult(
         metadata={**(materialization.metadata or {}), **cost_metadata(meter), "mlflow_run_id": run_id},
         data_version=materialization.data_version,

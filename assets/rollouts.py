@@ -9,6 +9,7 @@ from pydantic import Field
 from assets.cycle import cycle_of
 from assets.metering import cost_metadata, metered
 from assets.resources import MlflowTracking, PolicyLineage, PolicyServer
+from ops.common import faults
 from ops.common.paths import home
 from ops.common.tables import ROLLOUTS, table_hash, write_table
 from ops.envs.home import home_environment, stage_code_version
@@ -102,6 +103,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_
                             "was sampled")
     table = write_table(rollouts_table(batch.rows), ROLLOUTS, rollouts_path(data, cycle))
     policy_rows = [r for r in batch.rows if r["source"] == "policy"]
+    faults.stage_done("rollouts")
     return dg.MaterializeResult(
         metadata={
             "cycle": cycle,

@@ -13,6 +13,7 @@ from collections import Counter
 import dagster as dg
 from pydantic import Field
 
+from ops.common import faults
 from ops.harvest.failures import read_failures
 from ops.envs.home import home_environment, stage_code_version
 from ops.tasks.training_tasks import TRAINING_TASKS_CODE_VERSION, TrainingTaskConfig, build_and_write_training_tasks
@@ -46,6 +47,7 @@ def training_tasks(context: dg.AssetExecutionContext, config: TrainingTasksConfi
         context.log.warning(f"{len(task_set.unverifiable)} failures have no derivable ground truth and were left out")
     trace_ids = [tid for ids in t["source_trace_ids"].to_pylist() for tid in ids]
     by_split_family = Counter(f"{s}/{f}" for s, f in zip(t["split"].to_pylist(), t["family"].to_pylist()))
+    faults.stage_done("training_tasks")
     return dg.MaterializeResult(
         metadata={
             **{k: dg.MetadataValue.int(v) for k, v in task_set.counts.items()},

@@ -22,7 +22,7 @@ from assets.cycle import cycle_of
 from assets.cycle_run import cycle_run_id
 from assets.metering import cost_metadata, metered
 from assets.resources import MlflowTracking
-from ops.common import tracking
+from ops.common import faults, tracking
 
 from ops.common.paths import home
 from ops.common.tables import REWARDS, read_table, table_hash
@@ -116,6 +116,7 @@ def verified_rewards(context: dg.AssetExecutionContext, config: VerifiedRewardsC
     }
     metadata.update({f"share_{k.replace('-', '_')}": dg.MetadataValue.float(v) for k, v in summary["outcome_share"].items()})
     metadata.update(cost_metadata(meter))
+    faults.stage_done("verified_rewards")
     return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(table_hash(table)))
 
 

@@ -60,6 +60,22 @@ def test_harvest_killed_between_its_tables_and_its_cursor_loses_and_repeats_noth
     assert harvest(HarvestConfig(known_model_versions=frozenset({"1", "2"}))).counts.read == 0
 
 
+def test_a_harvest_rerun_by_the_run_that_committed_it_reports_it_again(perpetua_home):
+    """The run worker died after the harvest's cursor, before Dagster recorded it: the re-execution
+    (same run chain, `run_key`) gets that harvest's result back; another run harvests anew."""
+    known = HarvestConfig(known_model_versions=frozenset({"1", "2"}))
+    write_traces([rec(i, "failure") for i in range(10)], home().landing)
+    first = harvest(known, run_key="run-a")
+    write_traces([rec(i, "failure") for i in range(10, 14)], home().landing)  # lands after the commit
+    again = harvest(known, run_key="run-a")
+    assert (again.generation, again.counts.to_dict(), again.data_version) == (1, first.counts.to_dict(), first.data_version)
+    assert (again.failures_path, again.trace_ids_sample, again.families) == (first.failures_path, first.trace_ids_sample, first.families)
+    assert load_cursor(state_dir(home()))["generation"] == 1  # nothing read or written again
+    other = harvest(known, run_key="run-b")
+    assert (other.generation, other.counts.read, other.extends_version) == (2, 4, first.data_version)
+    assert harvest(known, run_key="run-a").counts.read == 0  # run-a is no longer the last commit: nothing new
+
+
 def test_deploy_killed_between_refit_and_alias_is_reconciled_at_the_next_start(perpetua_home, tmp_path):
     uri, name = tracking.local_store(home().mlflow)[0], policies.REGISTERED_MODEL
     served = tmp_path / "served"

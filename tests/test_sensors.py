@@ -207,6 +207,26 @@ def test_a_launched_cycle_run_is_closed_once_whatever_happens(tmp_path):
     assert ended == {"interrupted": "KILLED", "broken": "FAILED", "unfinished": "FAILED"}
 
 
+def test_a_retried_cycle_run_logs_under_one_parent_closed_by_the_last_try(tmp_path):
+    """A failed cycle run Dagster will retry leaves its MLflow parent open; the retry (root: the
+    first run) finds the same parent and closes it."""
+    from types import SimpleNamespace
+
+    from assets import cycle_run
+    from ops.common import tracking
+
+    uri = tracking.local_store(tmp_path / "mlflow")[0]
+    first = SimpleNamespace(run_id="dg-1", root_run_id=None, tags={})
+    retry = SimpleNamespace(run_id="dg-2", root_run_id="dg-1", tags={})
+    parent = cycle_run.cycle_run_id(SimpleNamespace(run=first), uri, "perpetua", 4)
+    assert cycle_run.cycle_run_id(SimpleNamespace(run=retry), uri, "perpetua", 4) == parent
+    failed = SimpleNamespace(**{**vars(first), "tags": {cycle_run.WILL_RETRY_TAG: "true"}})
+    closed = cycle_run.close_dagster_run(uri, "perpetua", failed, False, [])
+    assert (closed.mlflow_run_id, closed.status) == (parent, None)
+    assert tracking.client(uri).get_run(parent).info.status == "RUNNING"
+    assert cycle_run.close_dagster_run(uri, "perpetua", retry, True, []).status == "FINISHED"
+
+
 # ---- one cycle at a time ---------------------------------------------------------------------
 
 

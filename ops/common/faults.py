@@ -2,11 +2,13 @@
 
 A crash can land anywhere; the places where it does the most harm are between two writes that
 must agree (a harvest's failures table and its cursor, a deploy's server refit and its alias
-move). Each such place calls `point(name)`; when env PERPETUA_FAULT names it, the process
+move), and the end of each stage, where its outputs exist but Dagster has not recorded them.
+Each such place calls `point(name)`; when env PERPETUA_FAULT names it, the process
 SIGKILLs itself there, exactly as an OOM killer or a power cut would (no cleanup, no finally).
-The fault-injection tests (tests/test_faults.py, tests/test_learner_resume.py) run a stage in a subprocess with the variable
-set, then check that a rerun, or the next start, leaves everything consistent. Unset (always, in
-production), a point costs one environment lookup.
+The fault-injection tests (tests/test_faults.py, tests/test_learner_resume.py,
+tests/test_cycle_job.py) run a stage or a whole cycle in a child process with the variable
+set, then check that a rerun, or the next start, leaves everything consistent. Unset (always,
+in production), a point costs one environment lookup.
 
 With PERPETUA_FAULT_ONCE naming a file as well, only the first process to reach the point dies
 (it creates the file); the processes after it pass. That is how a test kills a Dagster run
@@ -25,6 +27,15 @@ HARVEST_BEFORE_CURSOR = "harvest.before_cursor"  # the generation's tables are w
 DEPLOY_AFTER_REFIT = "deploy.after_refit"  # the server serves the new version, the champion alias is not moved yet
 LEARNER_AFTER_UPDATE = "learner.after_update"  # + ".<k>": after the step's k-th optimizer update
 LEARNER_BEFORE_COMMIT = "learner.before_commit"  # checkpoint tensors written, COMPLETE marker not yet
+LEARNER_BEFORE_EXPORT = "learner.before_export"  # checkpoint committed, the HF export of the new policy not yet
+STAGE_DONE = "stage.done"  # + ".<asset>": the stage's writes are done, Dagster has not recorded its materialization
+
+
+def stage_done(asset: str) -> None:
+    """The point at the end of a cycle stage: everything it writes is written, and the run dies
+    before Dagster records the materialization, so a re-execution runs the stage again over its
+    own outputs (which must give the same result, not a second one)."""
+    point(f"{STAGE_DONE}.{asset}")
 
 
 def point(name: str) -> None:

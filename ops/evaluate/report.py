@@ -92,7 +92,7 @@ class ReportError(RuntimeError):
 
 def read_cycle_report(data_dir: Path, cycle: int, run_ids: set[str]) -> dict:
     """The cycle report `deployment` may act on: of kind `cycle`, for this cycle, written by one of
-    `run_ids` (this run, or the run it re-executes)."""
+    `run_ids` (this run, or a run it re-executes)."""
     path = cycle_report_path(data_dir, cycle)
     if not path.exists():
         raise ReportError(f"cycle {cycle}: no eval report at {path}; materialize eval_report in this run first")

@@ -21,6 +21,11 @@ new generation of the failures table. Why it is shaped like this:
 - *Nothing lost to a misconfiguration.* With no known model version at all every record would
   be quarantined as unknown; instead the harvest fails with `HarvestError`, reads nothing and
   leaves the landing zone and the cursor as they were.
+- *A rerun of the same run reports, not repeats.* A harvest given a `run_key` (the Dagster run
+  chain it belongs to) records the key and its result in the cursor it commits; when that run is
+  re-executed (its worker died after the commit, before Dagster recorded the materialization),
+  the harvest finds its own commit and returns the same result instead of a second, empty
+  generation, so the run's lineage holds the generation that read the records.
 - *Only regular files are read.* Symlinks and special files in the landing zone are refused
   unread (`ops.harvest.landing`) and counted once as quarantined (`not_a_regular_file`), so
   conservation holds and nothing outside the landing zone reaches the quarantine.
@@ -100,13 +105,16 @@ class HarvestResult:
     mlflow_failures: list[dict] = field(default_factory=list)
 
 
-def harvest(settings: HarvestConfig, home: Home | None = None) -> HarvestResult:
-    """Harvest everything new in the landing zone (and MLflow, if configured) once."""
+def harvest(settings: HarvestConfig, home: Home | None = None, run_key: str | None = None) -> HarvestResult:
+    """Harvest everything new in the landing zone (and MLflow, if configured) once. With
+    `run_key`, a harvest this key already committed last is reported again instead."""
     h = (home or default_home()).ensure()
     state = state_dir(h)
     state.mkdir(parents=True, exist_ok=True)
     with exclusive(state / "lock"):
         cursor = load_cursor(state)
+        if run_key is not None and cursor.get("run_key") == run_key and "result" in cursor:
+            return _replayed(h, cursor)
         gen = cursor["generation"] + 1
         files, skipped, refused = landing_files(h.landing)
         if not settings.known_model_versions:
@@ -123,8 +131,8 @@ def harvest(settings: HarvestConfig, home: Home | None = None) -> HarvestResult:
         batch.counts.check()
         if batch.counts.read == 0:
             return _nothing_new(h, state, cursor, new_files, batch, skipped)
-        return _commit(h, state, gen, {"version": CURSOR_VERSION, "generation": gen, "files": new_files, "mlflow": new_mlflow},
-                       batch, skipped, cursor["generation"])
+        return _commit(h, state, gen, {"version": CURSOR_VERSION, "generation": gen, "files": new_files, "mlflow": new_mlflow,
+                                       "run_key": run_key}, batch, skipped, cursor["generation"])
 
 
 # ---- reading ----------------------------------------------------------------------------------
@@ -243,12 +251,36 @@ def _commit(h: Home, state: Path, gen: int, new_cursor: dict, batch: HarvestBatc
     write_failures(merged, out)
     write_seen(state, gen, batch.all_seen())
     qpath = batch.commit_quarantine(h.quarantine / f"harvest-{gen:06d}.jsonl")
-    faults.point(faults.HARVEST_BEFORE_CURSOR)
-    write_cursor(state, new_cursor)
-    prune(gen, [(failures_dir(h), "failures-*.parquet"), (state, "seen-*.npy")])
     new_sigs = len(set(batch_table["signature"].to_pylist()) - set(prev["signature"].to_pylist()))
     extends = failures_version(prev) if prev_gen else None
-    return _result(gen, batch, skipped, out, qpath, merged, new_sigs, batch_table, batch_path(h, gen), extends)
+    result = _result(gen, batch, skipped, out, qpath, merged, new_sigs, batch_table, batch_path(h, gen), extends)
+    faults.point(faults.HARVEST_BEFORE_CURSOR)
+    write_cursor(state, {**new_cursor, "result": _recorded(result)})
+    prune(gen, [(failures_dir(h), "failures-*.parquet"), (state, "seen-*.npy")])
+    return result
+
+
+def _recorded(result: HarvestResult) -> dict:
+    """The committed result as the cursor keeps it (JSON), for `_replayed`."""
+    out = {k: getattr(result, k) for k in _RECORDED}
+    out["counts"] = result.counts.to_dict()
+    for k in ("failures_path", "batch_path", "quarantine_path"):
+        out[k] = str(getattr(result, k)) if getattr(result, k) is not None else None
+    return out
+
+
+_RECORDED = ("generation", "data_version", "extends_version", "n_signatures", "new_signatures", "families",
+             "failure_types", "trace_ids_sample", "skipped_files", "refused_files", "mlflow_failures")
+
+
+def _replayed(h: Home, cursor: dict) -> HarvestResult:
+    """The result the cursor's last commit recorded: nothing is read or written again."""
+    r = cursor["result"]
+    return HarvestResult(
+        counts=HarvestCounts(**r["counts"]),
+        **{k: r[k] for k in _RECORDED},
+        **{k: Path(r[k]) if r[k] is not None else None for k in ("failures_path", "batch_path", "quarantine_path")},
+    )
 
 
 def _result(gen: int, batch: HarvestBatch, skipped: list[str], current: Path | None, qpath: Path | None,

@@ -16,7 +16,8 @@ the export is completed if needed and the same result is reported again.
 
 Fault points (ops/common/faults.py, env PERPETUA_FAULT): `learner.after_update.<k>` kills the
 process after the k-th update of the step; `learner.before_commit` after the checkpoint tensors
-are written but before the COMPLETE marker.
+are written but before the COMPLETE marker; `learner.before_export` after the marker, before the
+HF export.
 
 This module imports megatron-core: the process entry (ops.learn.main) imports it only after
 quieting megatron's import-time warnings.
@@ -270,6 +271,7 @@ def _save_and_export(job: LearnerJob, inputs: _Inputs, learner: Learner, meta: d
     """Checkpoint on every rank (committed by the COMPLETE marker), then the HF export from rank 0."""
     ckpt = checkpoint.save(job.checkpoint_dir, meta["policy_version"], learner.state_dict(), learner.optimizer_state(),
                            meta, before_commit=lambda: faults.point(faults.LEARNER_BEFORE_COMMIT))
+    faults.point(faults.LEARNER_BEFORE_EXPORT)  # a re-run finds the batch committed and completes the export
     if world.rank() == 0:
         full = learner.state_dict() if job.learner.expert_parallel == 1 else checkpoint.load_model_tensors(ckpt)
         export_policy(inputs.policy, full, Path(meta["hf_dir"]), inputs.tokenizer, meta)
