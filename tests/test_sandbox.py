@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -211,6 +212,45 @@ def test_sandboxed_code_cannot_create_user_namespaces(sb):
     r = sb.run([sys.executable, "-c", "import threading, subprocess; t = threading.Thread(target=print); t.start(); t.join();"
                 " print(subprocess.run(['true']).returncode)"])
     assert r.outcome is Outcome.PASS and r.stdout.strip() == "0", "threads and subprocesses still work"
+
+
+_UNPRIVILEGED_CHECK = """
+import json
+from ops.reward.sandbox import Outcome, Sandbox
+sb = Sandbox()
+nested = sb.run(["sh", "-c", "unshare -U true && echo made-userns"])
+ok = sb.run(["sh", "-c", "id -u; sh -c 'exit 0' && echo sub-ok"])
+print(json.dumps({"isolation": sb.isolation, "drop_uid": sb.drop_uid,
+                  "nested": [nested.outcome.value, nested.stdout], "ok": [ok.outcome.value, ok.stdout.strip()]}))
+"""
+
+
+def test_the_unprivileged_path_refuses_user_namespaces_through_bwraps_own():
+    """Run by a user without privileges, the sandbox nests in bwrap's own user namespace with
+    `--disable-userns` (as root it uses a seccomp filter instead): the same refusal holds."""
+    import shutil
+    import tempfile
+
+    require_bwrap()
+    home = Path(tempfile.mkdtemp(prefix="perpetua-unprivileged-"))  # not under pytest's 0700 root
+    os.chmod(home, 0o777)
+    try:
+        _check_unprivileged(home)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _check_unprivileged(home: Path) -> None:
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"] if os.geteuid() == 0 else []
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": os.environ["PATH"], "HOME": str(home), "PERPETUA_HOME": str(home / "perpetua"), "PYTHONPATH": str(root)}
+    done = subprocess.run([*as_nobody, sys.executable, "-c", _UNPRIVILEGED_CHECK], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["isolation"] == "bwrap" and seen["drop_uid"] is False
+    assert seen["nested"][0] != Outcome.PASS.value and "made-userns" not in seen["nested"][1]
+    assert seen["ok"] == [Outcome.PASS.value, ("65534" if as_nobody else str(os.geteuid())) + "\nsub-ok"]
 
 
 def test_a_command_posing_as_a_bwrap_error_is_its_own_failure_not_infrastructure(sb):

@@ -119,9 +119,10 @@ def _warn_fallback(why: str) -> None:
 
 
 def _interpreter_paths() -> list[Path]:
-    """What a sandboxed `sys.executable` needs to start: the venv and its base installation."""
+    """What a sandboxed `sys.executable` needs to start: the venv and its base installation (those
+    this user can reach: another user's home, say root's, holds nothing it could run anyway)."""
     paths = {Path(sys.prefix), Path(sys.base_prefix), Path(sys.executable).resolve().parent.parent}
-    return sorted(p.resolve() for p in paths if p.exists())
+    return sorted(p.resolve() for p in paths if os.path.exists(p))
 
 
 def default_hidden() -> list[Path]:
