@@ -13,12 +13,24 @@ batch per update, the same for both sides. ratio = candidate tokens/s / baseline
 per round (the two updates of one round ran back to back) and reported as the median over rounds
 (> 1: the learner is faster; goal >= 0.9, i.e. the learner's bookkeeping costs at most 10%).
 tokens_per_s of each side is its median over rounds.
+
+`cold` is what a cycle pays instead: the same batch and number of updates as one whole learner
+step the way `policy_checkpoint` launches it (torchrun, imports, model build, restore from an HF
+export, the updates, checkpoint, HF export), against the bare loop's compute for those updates
+(`cold.ratio` = bare-loop seconds / whole-step wall seconds; 1 would mean a step costs only its
+compute). Peak RSS: of this process (both warm sides run in it) and of the learner process tree.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 
 def _baseline_update(model, opt, plan, normalizer: float, grad_clip: float | None) -> None:
@@ -67,9 +79,45 @@ def _random_tables(groups: int, group_size: int, vocab_size: int, seed: int):
     return pa.Table.from_pylist(rollouts, schema=ROLLOUTS), pa.Table.from_pylist(rewards, schema=REWARDS)
 
 
+def _cold_step(rollouts, rewards, cfg, preset: str, seed: int, work: Path) -> dict:
+    """One whole learner step as a cycle launches it, on these tables (see the module docstring):
+    wall seconds of the process and the peak RSS of its tree."""
+    import pyarrow.parquet as pq
+
+    from ops.bench.memory import TreeMemory
+    from ops.learn.config import LearnerJob
+    from ops.learn.main import REPO_ROOT, launch_command, launch_pythonpath
+    from ops.policy.bootstrap import random_policy
+
+    policy = random_policy(work / "init", seed=seed, preset=preset)
+    pq.write_table(rollouts, work / "rollouts.parquet")
+    pq.write_table(rewards, work / "rewards.parquet")
+    job = LearnerJob(learner=cfg, rollouts=[work / "rollouts.parquet"], rewards=[work / "rewards.parquet"],
+                     init_hf_dir=policy, checkpoint_dir=work / "learner", export_root=work / "policy",
+                     result_path=work / "result.json", cycle=1)
+    (work / "job.json").write_text(job.model_dump_json())
+    env = {**os.environ, "PYTHONPATH": launch_pythonpath(), "PERPETUA_HOME": str(work / "home")}
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(k, None)
+    start = time.perf_counter()
+    proc = subprocess.Popen(launch_command(work / "job.json"), env=env, cwd=REPO_ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with TreeMemory(proc.pid, lambda argv: None, "learner", {"all": None}) as memory:
+        _, err = proc.communicate()
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"the learner step failed (exit {proc.returncode}): {err[-2000:]}")
+    result = json.loads((work / "result.json").read_text())
+    return {"wall_seconds": wall, "updates": result["updates"], "phase_seconds": result["phase_seconds"],
+            "peak_rss_mb": round(memory.peak_mb["all"], 1)}
+
+
 def run_bench(groups: int = 16, group_size: int = 4, micro_batch_size: int = 16, rounds: int = 8,
-              warmup: int = 2, seed: int = 0, preset: str = "tiny") -> dict:
-    """Median tokens/s of the learner step vs the bare loop (see the module docstring)."""
+              warmup: int = 2, seed: int = 0, preset: str = "tiny", cold_updates: int | None = 4) -> dict:
+    """Median tokens/s of the learner step vs the bare loop, and the cold per-cycle cost of a step
+    of `cold_updates` updates (the cycle's default; None: skip it). See the module docstring."""
+    import resource
+
     import torch
 
     from ops.learn.batch import build_training_batch
@@ -105,6 +153,23 @@ def run_bench(groups: int = 16, group_size: int = 4, micro_batch_size: int = 16,
             base.append(t2 - t1)
         last = step.last
     c, b = statistics.median(cand), statistics.median(base)
+    warm_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    cold_side = None
+    if cold_updates:
+        work = Path(tempfile.mkdtemp(prefix="perpetua-bench-learner-"))
+        try:
+            step = _cold_step(rollouts, rewards, cfg.model_copy(update={"updates_per_step": cold_updates}), preset, seed, work)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        compute = b * step["updates"]
+        cold_side = {
+            "what": "one whole learner step as policy_checkpoint launches it (torchrun, imports, model build, restore, "
+                    "the updates, checkpoint, HF export) vs the bare loop's compute for the same updates",
+            "ratio": round(compute / step["wall_seconds"], 4),
+            "bare_loop_compute_seconds": round(compute, 3),
+            **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in step.items() if k != "phase_seconds"},
+            "phase_seconds": {k: round(v, 3) for k, v in step["phase_seconds"].items()},
+        }
     return {
         "name": "learner",
         "ratio": round(statistics.median(bi / ci for bi, ci in zip(base, cand)), 4),
@@ -122,6 +187,8 @@ def run_bench(groups: int = 16, group_size: int = 4, micro_batch_size: int = 16,
             "metrics": {k: last[k] for k in ("loss", "grad_norm", "entropy", "load_balancing_loss",
                                              "router_balance_entropy") if k in last},
         },
+        "peak_rss_mb": {"warm_process": round(warm_rss, 1), "cold_learner_tree": cold_side and cold_side["peak_rss_mb"]},
+        "cold": cold_side,
         "setup": {"preset": preset, "samples": len(batch), "tokens_per_update": tokens,
                   "trained_tokens_per_update": batch.stats.trained_tokens, "micro_batch_size": micro_batch_size,
                   "micro_batches": len(plan), "rounds": rounds, "threads": torch.get_num_threads(),
@@ -130,6 +197,4 @@ def run_bench(groups: int = 16, group_size: int = 4, micro_batch_size: int = 16,
 
 
 if __name__ == "__main__":
-    import json
-
     print(json.dumps(run_bench(), indent=2))
