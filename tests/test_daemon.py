@@ -117,6 +117,11 @@ def daemon_home(request, base_policy_dir, monkeypatch):
         if request.param == "postgres":
             pg.enable(h, _port())
         prepare_dagster_home(h)
+        # Run monitoring every 2 s rather than 15: the orphaned run below is failed sooner, the
+        # same way.
+        settings = h.dagster / "dagster.yaml"
+        assert "poll_interval_seconds: 15" in settings.read_text()
+        settings.write_text(settings.read_text().replace("poll_interval_seconds: 15", "poll_interval_seconds: 2"))
         uri = mlflow_server.start(h, port=_port()).url
         monkeypatch.setenv(tracking.ENV_TRACKING_URI, uri)  # the daemon's run workers inherit it
         champion = registry.register_candidate(uri, policies.hf_dir(0), policies.REGISTERED_MODEL,

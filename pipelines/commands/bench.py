@@ -10,7 +10,8 @@ from pathlib import Path
 from pipelines.cli import UserError, print_json
 
 BENCHES = {
-    "rollout": ("ops.bench.rollout", "rollout path vs raw vllm.LLM.generate (tokens/s), plus refit seconds/bytes"),
+    "rollout": ("ops.bench.rollout", "rollout path (ServerEngine) vs raw OpenAI-API calls to the same vLLM server "
+                "(tokens/s, peak RSS), plus refit seconds/bytes"),
     "learner": ("ops.bench.learner", "learner step vs a bare megatron-core forward/backward/optimizer loop (tokens/s)"),
     "verify": ("ops.bench.verify", "batched, pooled sandbox verification vs one sandbox per verification"),
     "harvest": ("ops.bench.harvest", "validating harvester vs a plain pyarrow.dataset scan (records/s, peak memory)"),
