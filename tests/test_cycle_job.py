@@ -25,7 +25,7 @@ MLflow record (nested stage runs, eval datasets, evaluation runs, logged model, 
 
 The gate's verdict is fixed by the setup, not by chance: the landed failures are of a drift
 family the base policy (the champion, v0) solves none of, and one step with reference answers
-makes the candidate solve over half of its held-out tasks (on the fixed seeds, 7 of 12 against
+makes the candidate solve over half of its held-out tasks (on the fixed seeds, 9 of 16 against
 0; the deciding set is those tasks alone).
 
 Attempts are forked from a process that imported the engines' Python modules once
