@@ -49,6 +49,12 @@ def cycle_of(context, explicit: int | None = None, upstream: str | None = None,
     return before + 1
 
 
+def chain_root(run) -> str:
+    """The first run of `run`'s re-execution chain (`run` itself when it re-executes none): what
+    a run and all its retries share."""
+    return run.root_run_id or run.run_id
+
+
 def own_run_ids(context) -> set[str]:
     """This run and every run it re-executes, back to the root: whose outputs a step of this run
     may act on. A retry of a retry has the killed run as parent and the first run as root; the
@@ -58,4 +64,4 @@ def own_run_ids(context) -> set[str]:
     while run is not None and run.run_id not in ids:
         ids.add(run.run_id)
         run = context.instance.get_run_by_id(run.parent_run_id) if run.parent_run_id else None
-    return ids | ({context.run.root_run_id} - {None})
+    return ids | {chain_root(context.run)}

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from assets.cycle import chain_root
 from ops.common import tracking
 
 WILL_RETRY_TAG = "dagster/will_retry"  # set by Dagster on a failed run it is retrying
@@ -50,7 +51,7 @@ def cycle_run_id(context, uri: str, experiment: str, cycle: int) -> str:
     tagged = run.tags.get(PARENT_RUN_TAG)
     if tagged:
         return tagged
-    root = run.root_run_id or run.run_id  # a retry of a retry has the first run as its root
+    root = chain_root(run)
     found = find_cycle_run(uri, experiment, root, cycle)
     if found:
         return found
@@ -122,7 +123,7 @@ def close_dagster_run(uri: str, experiment: str, run, succeeded: bool, events: I
     """Close the parent run of the finished Dagster run `run` (a DagsterRun) by its outcome; left
     open when the run failed and Dagster will retry it (the retry logs under the same parent)."""
     outcome = cycle_outcome(succeeded, events)
-    parent = run.tags.get(PARENT_RUN_TAG) or find_cycle_run(uri, experiment, run.root_run_id or run.run_id)
+    parent = run.tags.get(PARENT_RUN_TAG) or find_cycle_run(uri, experiment, chain_root(run))
     if not succeeded and run.tags.get(WILL_RETRY_TAG) == "true":
         return Closed(outcome, parent, None)
     if parent is None:

@@ -18,6 +18,7 @@ from ops.harvest.mlflow_source import MlflowTraceSource
 from ops.common import faults, tracking
 from ops.common.lineage import CONTINUES_FROM
 from ops.envs.home import stage_code_version
+from assets.cycle import chain_root
 from assets.resources import MlflowTracking
 
 
@@ -59,7 +60,7 @@ def harvested_failures(context: dg.AssetExecutionContext, config: HarvestedFailu
         # committed, before Dagster recorded it, reports that harvest again (ops/harvest/harvester.py).
         result = harvest(HarvestConfig(known_model_versions=known, max_record_bytes=config.max_record_bytes,
                                        quiet_seconds=config.quiet_seconds, mlflow=source),
-                         run_key=context.run.root_run_id or context.run.run_id)
+                         run_key=chain_root(context.run))
     except HarvestError as e:  # no known model version: nothing read, the landing zone kept
         raise dg.Failure(description=f"{e} (known versions from: {known_from})") from None
     metadata = harvest_metadata(result, sorted(known), known_from)

@@ -260,6 +260,10 @@ def _commit(h: Home, state: Path, gen: int, new_cursor: dict, batch: HarvestBatc
     return result
 
 
+_RECORDED = ("generation", "data_version", "extends_version", "n_signatures", "new_signatures", "families",
+             "failure_types", "trace_ids_sample", "skipped_files", "refused_files", "mlflow_failures")
+
+
 def _recorded(result: HarvestResult) -> dict:
     """The committed result as the cursor keeps it (JSON), for `_replayed`."""
     out = {k: getattr(result, k) for k in _RECORDED}
@@ -267,10 +271,6 @@ def _recorded(result: HarvestResult) -> dict:
     for k in ("failures_path", "batch_path", "quarantine_path"):
         out[k] = str(getattr(result, k)) if getattr(result, k) is not None else None
     return out
-
-
-_RECORDED = ("generation", "data_version", "extends_version", "n_signatures", "new_signatures", "families",
-             "failure_types", "trace_ids_sample", "skipped_files", "refused_files", "mlflow_failures")
 
 
 def _replayed(h: Home, cursor: dict) -> HarvestResult:
