@@ -1,6 +1,7 @@
 """The server backend against a real vLLM OpenAI-compatible server (started once, ~45-60 s):
 supervision (start, reuse, stop), one group of tool episodes token-in/token-out with log-probs
-checked against transformers, the stale-policy guard and one refit through the dev endpoints.
+checked against transformers, the stale-policy guard, one refit through the dev endpoints, and a
+small `bench rollout` (the server path against raw API calls).
 """
 
 from __future__ import annotations
@@ -83,6 +84,33 @@ def test_supervisor_reuses_a_healthy_server(server, home, base_policy_dir):
         vllm_server.start(base_policy_dir, host="0.0.0.0", port=server.port + 1, h=home)
     with pytest.raises(vllm_server.VllmServerError, match="no config.json"):
         vllm_server.start(home.root, port=_free_port(), h=home)
+
+
+def test_bench_rollout_compares_equal_work_on_one_server(server, home, base_policy_dir):
+    """`bench rollout`, small, on this server (it leaves it serving the same weights and version):
+    the ratio comes from the two measured sides, both sides did the same work (same tokens, same
+    episodes, token for token), and each side reports its peak client and server RSS."""
+    import statistics
+
+    from ops.bench.rollout import run_bench
+    from ops.serving.api_key import api_key
+
+    result = run_bench(base_policy_dir, n_tasks=4, group_size=2, max_tokens=24, repeats=1, server=server,
+                       api_key=api_key(home.root))
+    base, cand = result["baseline"], result["candidate"]
+    print({k: result[k] for k in ("ratio", "baseline", "candidate", "refit")})
+
+    assert result["name"] == "rollout" and result["server"]["reused"]
+    for side in (base, cand):
+        assert side["tokens_per_s"] == round(statistics.median(t / s for t, s in zip(side["tokens"], side["seconds"])), 1)
+        assert side["peak_client_rss_mb"] > 0 and side["peak_server_rss_mb"] > 0
+    assert result["ratio"] == round(cand["tokens_per_s"] / base["tokens_per_s"], 4)
+
+    assert base["episodes"] == cand["episodes"] == [4 * 2]
+    assert base["tokens"] == cand["tokens"] and base["tokens"][0] > 0
+    assert cand["episodes_identical_to_baseline"] == 1.0
+    assert cand["mean_turns"] > 1, "the base policy calls the tool: the episodes are multi-turn"
+    assert len(result["refit"]["seconds"]) == 2 and result["refit"]["bytes"] > 0
 
 
 def test_group_through_server(engine, base_policy_dir):
