@@ -346,6 +346,10 @@ def test_bench_verify_reports_a_ratio_against_the_serial_baseline():
     assert b["name"] == "verify" and b["ratio"] > 0
     assert b["same_rewards"] is True and b["mean_reward"] == pytest.approx(4 / 6, abs=1e-3)
     assert b["baseline"]["verifications"] == b["candidate"]["verifications"] == 6
+    for side in (b["baseline"], b["candidate"]):  # this process at least; its sandboxes when sampled alive
+        assert side["peak_rss_mb"] >= side["peak_sandbox_rss_mb"] >= 0 and side["peak_rss_mb"] > 10
+    base_s, cand_s = b["baseline"]["seconds"], b["candidate"]["seconds"]  # rounded to 1 ms
+    assert b["ratio"] == pytest.approx(base_s / cand_s, rel=0.0005 / base_s + 0.0005 / cand_s, abs=0.001)
     assert "serially" in b["baseline"]["what"] and "batched" in b["candidate"]["what"]
     assert b["sandbox_overhead"]["sandboxed_ms"] > 0
     assert b["swe_pytest"]["all_rewarded"] is True

@@ -7,12 +7,17 @@ candidate = the project's path (ops.reward.scoring.verify_rollouts): many episod
 ratio = baseline seconds / candidate seconds (> 1: the project's path is faster). Both paths
 must give the same rewards, or the bench says so (`same_rewards`).
 
+Each side reports its peak memory: the peak of the summed RSS of this process and the sandboxed
+processes it started (`peak_rss_mb`), and of those processes alone (`peak_sandbox_rss_mb`),
+sampled every 20 ms (ops/bench/memory.py), so a sandbox that lives shorter than that may be missed.
+
 Also reported: the sandbox's own start-up cost (the same command with and without it) and
 verifications/s of the pytest-based SWE verifier, serial and pooled, on a tiny generated repo.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
@@ -56,6 +61,24 @@ def _episodes(n: int) -> tuple[list[dict], dict[str, Task]]:
         rows.append({"group_id": f"{t.task_id}:bench", "sample_index": 0, "task_id": t.task_id,
                      "prompt_text": prompt_text(t), "completion_text": completion})
     return rows, {t.task_id: t for t in tasks}
+
+
+MEMORY_INTERVAL_S = 0.02
+
+
+def _measured(fn) -> tuple[object, float, dict]:
+    """`fn()`, its wall seconds, and the peak RSS of this process's tree while it ran (every
+    child is a sandboxed verification)."""
+    from ops.bench.memory import TreeMemory
+
+    groups = {"tree": None, "sandboxes": {"sandbox"}}
+    with TreeMemory(os.getpid(), lambda argv: "sandbox", "bench", groups, MEMORY_INTERVAL_S) as memory:
+        start = time.perf_counter()
+        out = fn()
+        seconds = time.perf_counter() - start
+    memory.sample()  # at least one sample, however short the side
+    return out, seconds, {"peak_rss_mb": round(memory.peak_mb["tree"], 1),
+                          "peak_sandbox_rss_mb": round(memory.peak_mb["sandboxes"], 1)}
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -111,16 +134,12 @@ def run_bench(n_episodes: int = 60, n_swe: int = 4, repeats: int = 5, workers: i
     rows, tasks = _episodes(n_episodes)
     calculator = get_verifier("calculator")
 
-    start = time.perf_counter()
-    baseline_rewards = []
-    for row in rows:
-        item = VerifyItem.from_rollout(row, tasks[row["task_id"]])
-        baseline_rewards += [v.reward for v in calculator.verify_batch([item], sandbox)]
-    baseline_s = time.perf_counter() - start
+    def one_by_one() -> list[float]:
+        return [v.reward for row in rows
+                for v in calculator.verify_batch([VerifyItem.from_rollout(row, tasks[row["task_id"]])], sandbox)]
 
-    start = time.perf_counter()
-    report = verify_rollouts(rows, tasks, sandbox=sandbox, workers=workers)
-    candidate_s = time.perf_counter() - start
+    baseline_rewards, baseline_s, baseline_mem = _measured(one_by_one)
+    report, candidate_s, candidate_mem = _measured(lambda: verify_rollouts(rows, tasks, sandbox=sandbox, workers=workers))
     candidate_rewards = [r["reward"] for r in report.rows]
 
     return {
@@ -129,13 +148,13 @@ def run_bench(n_episodes: int = 60, n_swe: int = 4, repeats: int = 5, workers: i
         "baseline": {
             "what": "calculator verifier, one sandboxed process per verification, serially",
             "verifications": len(rows), "seconds": round(baseline_s, 3),
-            "verifications_per_second": round(len(rows) / baseline_s, 2),
+            "verifications_per_second": round(len(rows) / baseline_s, 2), **baseline_mem,
         },
         "candidate": {
             "what": f"ops.reward.scoring.verify_rollouts: batched runner (up to {calculator.batch_size} episodes per sandboxed "
                     f"process) on a pool of {workers} workers",
             "verifications": len(rows), "seconds": round(candidate_s, 3),
-            "verifications_per_second": round(len(rows) / candidate_s, 2),
+            "verifications_per_second": round(len(rows) / candidate_s, 2), **candidate_mem,
         },
         "same_rewards": baseline_rewards == candidate_rewards,
         "mean_reward": round(sum(candidate_rewards) / len(candidate_rewards), 4),
