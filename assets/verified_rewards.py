@@ -101,6 +101,7 @@ def verified_rewards(context: dg.AssetExecutionContext, config: VerifiedRewardsC
         "engine_seconds": dg.MetadataValue.float(summary["seconds"]),  # the verification itself (ops/bench/cycle.py)
         "workers": summary["workers"],
         "sandbox_isolation": report.isolation,
+        "sandbox_workdir_cap_bytes": report.workdir_cap_bytes,
         "flagged": summary["flagged"],
         "flagged_rate": dg.MetadataValue.float(summary["flagged_rate"]),
         "infra_failures": summary["infra_failures"],

@@ -106,6 +106,48 @@ def test_memory_and_file_size_limits(sb):
     assert shell.outcome is Outcome.RESOURCE_LIMIT  # SIGXFSZ
 
 
+def test_the_work_directory_is_a_tmpfs_of_its_cap():
+    """Files each under RLIMIT_FSIZE still cannot fill the host's disk: the work directory is a
+    tmpfs of `Limits.workdir_bytes` (mounted as root, which the suite runs as), unmounted and
+    removed when the workspace closes; a command that fills it is a resource-limit."""
+    from ops.reward import workdir
+
+    require_bwrap()
+    assert os.geteuid() == 0, "the capped work directory needs CAP_SYS_ADMIN; the unprivileged test covers the rest"
+    capped = Sandbox(Limits(wall_seconds=10, file_size_bytes=1 << 20, workdir_bytes=2 << 20))
+    assert capped.workdir_cap_bytes == 2 << 20
+    fill = "for i in range(8):\n    open(f'f{i}', 'wb').write(b'x' * (512 << 10))"
+    r = capped.run([sys.executable, "-c", fill])
+    assert r.outcome is Outcome.RESOURCE_LIMIT and r.reason == f"work directory full ({2 << 20} bytes)", r
+    assert "No space left on device" in r.stderr and r.workdir_cap_bytes == 2 << 20
+    with capped.workspace() as ws:
+        assert workdir.mounted_tmpfs()[ws.path] == 2 << 20
+        ws.write("keep.txt", "kept")
+        assert ws.run(["sh", "-c", "head -c 300000 /dev/zero > more && cat keep.txt"]).stdout == "kept"
+    assert ws.path not in workdir.mounted_tmpfs() and not ws.path.exists()
+
+
+def test_a_capped_work_directory_left_by_a_killed_verifier_is_swept():
+    import tempfile
+
+    from ops.reward import workdir
+
+    require_bwrap()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = Path(tempfile.mkdtemp(prefix=f"{workdir.PREFIX}{gone.pid}-")).resolve()
+    assert workdir.mount_tmpfs(stale, 1 << 20) and stale in workdir.mounted_tmpfs()
+    mine = workdir.make_dir()
+    try:
+        assert workdir.mount_tmpfs(mine, 1 << 20)
+        Sandbox()
+        assert stale not in workdir.mounted_tmpfs() and not stale.exists()
+        assert mine in workdir.mounted_tmpfs()  # a live owner's directory is left alone
+    finally:
+        workdir.unmount(mine)
+        mine.rmdir()
+
+
 def test_output_is_bounded_head_and_tail(sb):
     code = "import sys; sys.stdout.write('A' * 100000 + 'TAIL')"
     r = sb.run([sys.executable, "-c", code], limits=sb.limits.but(output_bytes=4096))
@@ -220,7 +262,7 @@ from ops.reward.sandbox import Outcome, Sandbox
 sb = Sandbox()
 nested = sb.run(["sh", "-c", "unshare -U true && echo made-userns"])
 ok = sb.run(["sh", "-c", "id -u; sh -c 'exit 0' && echo sub-ok"])
-print(json.dumps({"isolation": sb.isolation, "drop_uid": sb.drop_uid,
+print(json.dumps({"isolation": sb.isolation, "drop_uid": sb.drop_uid, "cap": [sb.workdir_cap_bytes, ok.workdir_cap_bytes],
                   "nested": [nested.outcome.value, nested.stdout], "ok": [ok.outcome.value, ok.stdout.strip()]}))
 """
 
@@ -249,6 +291,8 @@ def _check_unprivileged(home: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["isolation"] == "bwrap" and seen["drop_uid"] is False
+    assert seen["cap"] == [None, None]  # no tmpfs without privileges: said on every result, and warned
+    assert "no size cap" in done.stderr
     assert seen["nested"][0] != Outcome.PASS.value and "made-userns" not in seen["nested"][1]
     assert seen["ok"] == [Outcome.PASS.value, ("65534" if as_nobody else str(os.geteuid())) + "\nsub-ok"]
 

@@ -30,6 +30,7 @@ class Limits(BaseModel):
     output_bytes: Annotated[int, Field(ge=256, description="Bytes of stdout and of stderr kept (head and tail); the rest is counted, not stored.")] = 64 << 10
     output_limit_bytes: Annotated[int, Field(ge=1, description="Total stdout+stderr after which the command is killed (resource-limit).")] = 16 << 20
     tmpfs_bytes: Annotated[int, Field(ge=1 << 20, description="Size of the private /tmp inside bwrap (tmpfs is RAM, so it is bounded).")] = 64 << 20
+    workdir_bytes: Annotated[int, Field(ge=1 << 20, description="Size cap of the work directory: a tmpfs of this size where the verifier may mount one (ops/reward/workdir.py).")] = 512 << 20
 
     def but(self, **changes) -> "Limits":
         """A copy with some limits changed, validated."""

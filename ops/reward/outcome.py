@@ -43,6 +43,7 @@ class SandboxResult:
     isolation: Isolation = "bwrap"
     reason: str = ""
     violations: list[str] = field(default_factory=list)
+    workdir_cap_bytes: int | None = None  # the work directory's size cap; None: uncapped (ops/reward/workdir.py)
 
     @property
     def ok(self) -> bool:

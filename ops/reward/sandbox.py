@@ -3,8 +3,9 @@
 Everything a verifier executes on behalf of a model (tool calls, a patched repository's tests,
 a user's check) runs here. One run is:
 
-- a fresh temporary work directory (the only writable place besides a small private /tmp),
-  its own process group, a scrubbed environment (only PATH, HOME=work dir, LANG and what the
+- a fresh temporary work directory (the only writable place besides a small private /tmp), a
+  tmpfs of `Limits.workdir_bytes` where the verifier may mount one (ops.reward.workdir; else
+  uncapped, and every result says so), its own process group, a scrubbed environment (only PATH, HOME=work dir, LANG and what the
   caller passes explicitly);
 - resource limits set in the child before exec (RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE,
   RLIMIT_NPROC, RLIMIT_NOFILE; ops.reward.limits), a wall-clock timeout that kills the whole
@@ -32,11 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
@@ -57,6 +58,7 @@ from ops.reward.limits import Limits, process_budget
 from ops.reward.outcome import SANDBOX_START_FAILED, Outcome, SandboxResult
 from ops.reward.process import execute
 from ops.reward.uid_pool import UidSlot
+from ops.reward import workdir
 
 __all__ = ["Limits", "Outcome", "Sandbox", "SandboxResult", "SandboxUnavailable", "Workspace", "bwrap_status", "run"]
 
@@ -82,6 +84,11 @@ class Sandbox:
         self.drop_uid = self.isolation == "bwrap" and os.geteuid() == 0 and shutil.which("setpriv") is not None
         if self.isolation == "bwrap" and os.geteuid() == 0 and not self.drop_uid:
             log.warning("setpriv not found: sandboxed commands run as root and RLIMIT_NPROC is not enforced")
+        self.workdir_cap_bytes = self.limits.workdir_bytes if workdir.can_cap() else None
+        if self.workdir_cap_bytes is None:
+            _warn_uncapped()
+        else:
+            workdir.sweep_stale()
 
     def run(
         self,
@@ -101,13 +108,19 @@ class Sandbox:
     @contextlib.contextmanager
     def workspace(self) -> Iterator["Workspace"]:
         """A fresh work directory for several runs in a row (copy a repo, apply, test)."""
-        path = Path(tempfile.mkdtemp(prefix="perpetua-sandbox-")).resolve()
+        path = workdir.make_dir()
+        cap = self.workdir_cap_bytes
+        if cap is not None and not workdir.mount_tmpfs(path, cap):
+            log.warning("could not mount a %d-byte tmpfs on %s: this work directory is uncapped", cap, path)
+            cap = None
         slot = UidSlot() if self.drop_uid else None
         try:
-            yield Workspace(self, path, slot)
+            yield Workspace(self, path, slot, cap)
         finally:
             if slot is not None:
                 slot.release()
+            if cap is not None:
+                workdir.unmount(path)
             shutil.rmtree(path, onerror=_force_remove)
 
     def env_for(self, ws: Path, extra: Mapping[str, str] | None) -> dict[str, str]:
@@ -137,8 +150,8 @@ class Sandbox:
 class Workspace:
     """A work directory owned by one sandboxed identity; `run` may be called several times."""
 
-    def __init__(self, sandbox: Sandbox, path: Path, slot: UidSlot | None) -> None:
-        self.sandbox, self.path, self._slot = sandbox, path, slot
+    def __init__(self, sandbox: Sandbox, path: Path, slot: UidSlot | None, cap_bytes: int | None = None) -> None:
+        self.sandbox, self.path, self._slot, self.cap_bytes = sandbox, path, slot, cap_bytes
 
     def write(self, name: str, content: str | bytes) -> Path:
         target = self.path / name
@@ -178,7 +191,10 @@ class Workspace:
         if result.reason.startswith(SANDBOX_START_FAILED) and started:
             # the command itself wrote "bwrap: ..." and exited 1: its own failure, not the sandbox's
             result = dataclasses.replace(result, outcome=Outcome.FAIL, reason=f"exit {result.exit_code}")
-        return result
+        if self.cap_bytes is not None and not result.ok and workdir.is_full(self.path):
+            result = dataclasses.replace(result, outcome=Outcome.RESOURCE_LIMIT,
+                                         reason=f"work directory full ({self.cap_bytes} bytes)")
+        return dataclasses.replace(result, workdir_cap_bytes=self.cap_bytes)
 
     def _hand_over(self) -> None:
         """Files the host put here become the sandboxed uid's, so the command may change them."""
@@ -190,6 +206,12 @@ class Workspace:
             for n in dirs + names:
                 with contextlib.suppress(FileNotFoundError):
                     os.lchown(os.path.join(root, n), uid, uid)
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_uncapped() -> None:
+    log.warning("this process may not mount a tmpfs (it needs CAP_SYS_ADMIN, e.g. root): sandbox work "
+                "directories have no size cap, only RLIMIT_FSIZE per file")
 
 
 @contextlib.contextmanager

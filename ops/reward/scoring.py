@@ -77,6 +77,7 @@ class VerifyReport:
     isolation: str
     versions: dict[str, str] = field(default_factory=dict)  # verifiers used -> version
     infra_retried: int = 0  # rows whose first verification was an infrastructure failure
+    workdir_cap_bytes: int | None = None  # the sandbox work directories' size cap (None: uncapped)
 
     @property
     def infra_failures(self) -> int:
@@ -126,7 +127,7 @@ class VerifyReport:
             "rejected": self.rejected, "infra_failures": self.infra_failures, "infra_retried": self.infra_retried,
             "unsandboxed": self.unsandboxed, "seconds": round(self.seconds, 3),
             "verifications_per_second": round(self.verifications_per_second, 2), "workers": self.workers,
-            "isolation": self.isolation, "verifier_versions": self.versions,
+            "isolation": self.isolation, "workdir_cap_bytes": self.workdir_cap_bytes, "verifier_versions": self.versions,
             "groups": len(stats), "groups_all_equal": sum(s.all_equal for s in stats),
         }
 
@@ -203,7 +204,7 @@ def verify_rollouts(
         run_all([(name, chunk) for name, idx in retry.items() for chunk in _chunks(idx, get_verifier(name).batch_size, workers)])
     used = {name: get_verifier(name).version for name in by_verifier}
     return VerifyReport([r for r in rows if r is not None], time.monotonic() - start, workers, sandbox.isolation, used,
-                        infra_retried=len(failed))
+                        infra_retried=len(failed), workdir_cap_bytes=sandbox.workdir_cap_bytes)
 
 
 def screen_rewards(rows: list[Mapping], tasks: Mapping[str, Any], *, sandbox: Sandbox | None = None,
