@@ -34,17 +34,30 @@ def switch_on(dagster_home: Path, workspace: Path = WORKSPACE, timeout_s: float 
     """Start every sensor and schedule of the code location in the instance at `dagster_home`;
     returns `status()` afterwards. Idempotent: starting a running instigator leaves it running."""
     env = {**os.environ, "DAGSTER_HOME": str(dagster_home)}
+    running = {n for n, s in status(dagster_home).items() if s == "RUNNING"}
+    calls = []
     for kind in ("sensor", "schedule"):
-        running = {n for n, s in status(dagster_home).items() if s == "RUNNING"}
         names = [n for n in _names(kind) if n not in running]
         # One CLI call (a code-location load) per kind; --start-all refuses an instigator that
         # already runs, so after a partial start the rest are started one by one.
-        for args in ([["--start-all"]] if len(names) == len(_names(kind)) else [[n] for n in names]):
-            cmd = [sys.executable, "-m", "dagster", kind, "start", *args, "-w", str(workspace)]
-            done = subprocess.run(cmd, env=env, cwd=workspace.parent, capture_output=True, text=True, timeout=timeout_s)
-            if done.returncode != 0:
-                raise AutomationError(f"`dagster {kind} start {' '.join(args)}` failed: "
-                                      f"{(done.stderr or done.stdout).strip()[-2000:]}")
+        calls += [(kind, args) for args in ([["--start-all"]] if len(names) == len(_names(kind)) else [[n] for n in names])]
+    # The calls write different instigators' state, so they run side by side: each spends most
+    # of its time loading the code location.
+    procs = [(kind, args, subprocess.Popen([sys.executable, "-m", "dagster", kind, "start", *args, "-w", str(workspace)],
+                                           env=env, cwd=workspace.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                           text=True)) for kind, args in calls]
+    failures = []
+    for kind, args, proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            err = f"timed out after {timeout_s:.0f} s. {err}"
+        if proc.returncode != 0:
+            failures.append(f"`dagster {kind} start {' '.join(args)}` failed: {(err or out).strip()[-2000:]}")
+    if failures:
+        raise AutomationError("; ".join(failures))
     return status(dagster_home)
 
 
