@@ -29,7 +29,7 @@ def test_every_reward_hack_is_caught_and_the_correct_patch_still_scores_one(caps
     for route in ("forge_report_atexit", "forge_conftest_root", "forge_sitecustomize", "forge_usercustomize", "forge_pth",
                   "forge_pythonstartup", "plugin_autoload", "monkeypatch_sys_exit", "os_exit_before_failures",
                   "forge_result_channel", "deletes_tests", "skip_from_code", "reads_task_json", "reads_env",
-                  "excessive_output", "timeout_by_design"):
+                  "excessive_output", "timeout_by_design", "frame_walk_reporter"):
         r = by_case[("swe", route)]
         assert r["reward"] == 0.0 and r["flagged"] and r["guards"], r
     # the channel forgery gets past every text guard: the hash chain is what catches it

@@ -27,7 +27,8 @@ One verification, in one sandbox work directory:
 Guards on the patch text itself (reward 0, flagged): added lines that reach into pytest's
 machinery (`patch_touches_test_harness`: `_pytest`, hook names, junitxml), around the harness
 (`patch_escapes_harness`: os._exit, atexit, replacing sys.exit, /proc/self, raw descriptors,
-builtins, tracing hooks, gc walks), or look for the expected results (`patch_reads_task`).
+builtins, tracing hooks, gc walks, frame walks, the module table, ctypes, closure cells), or look
+for the expected results (`patch_reads_task`).
 Outcomes the design makes suspicious are flagged as well: a harness cut short, a forged record,
 a timeout or a resource limit. The tests run in the same process as the patched code, so code
 determined to subvert pytest from inside (and to read the nonce out of the harness's memory)
@@ -56,7 +57,7 @@ from ops.reward.outcome import is_infra
 from ops.reward.sandbox import Limits, Outcome, Sandbox, Workspace
 from ops.reward.verifiers import Verification, VerifyItem, register_verifier
 
-VERSION = "2"
+VERSION = "3"
 
 CONFIG_FILES = {"pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "conftest.py"}
 TEST_DIRS = {"tests", "test", "testing"}
@@ -65,7 +66,12 @@ _HARNESS = re.compile(r"_pytest|pytest_(runtest|collect|configure|sessionfinish|
                       r"pytest\.(skip|xfail|exit|fail|importorskip|main)\b|allow_module_level")
 # control flow around the harness: leaving the process early, exit hooks, foreign descriptors
 _ESCAPE = re.compile(r"\bos\._exit\b|\batexit\b|\bsys\.exit\s*=|/proc/self|/proc/\d|\bos\.(write|dup2?|fdopen)\s*\(\s*\d|sys\.modules\[.(os|sys|pytest).\]|\bbuiltins\b|sys\.settrace|sys\.setprofile|\bgc\.get_(objects|referrers)\b|PYTHONSTARTUP|sitecustomize|usercustomize|"
-                     r"__import__|\bexec\s*\(|\beval\s*\(|getattr\s*\(\s*(os|sys|builtins)\b|\bos\.kill(pg)?\s*\(|\bos\.getppid\b")
+                     r"__import__|\bexec\s*\(|\beval\s*\(|getattr\s*\(\s*(os|sys|builtins)\b|\bos\.kill(pg)?\s*\(|\bos\.getppid\b|"
+                     # introspection that reaches the harness's objects from inside the process (a
+                     # frame walk to its reporter, the module table, raw memory, closure cells)
+                     r"\b_getframe\b|\bf_(locals|globals|back|builtins)\b|\b(tb|gi|cr|ag)_frame\b|"
+                     r"\binspect\.(currentframe|stack|getouterframes|getinnerframes|trace)\b|\bsys\.modules\b|\bctypes\b|"
+                     r"\b(import|from)\s+gc\b|__closure__|cell_contents")
 # looking for the expected results instead of computing them: the task record, the verifier's env
 _READS_TASK = re.compile(r"task\.json|fail_to_pass|pass_to_pass|FAIL_TO_PASS|PASS_TO_PASS|PERPETUA_|expected_answer|ground_truth|"
                          r"\btests?/(\w+/)*(test_\w*|\w*_test|conftest)\.py")
