@@ -1,11 +1,13 @@
 """`policy_checkpoint`: one learner step on the cycle's verified batch: from the policy the cycle
 builds on (the deployed champion by default, `PolicyLineage`) to the next version number.
 
-The learner runs in its own process group, launched through Dagster Pipes as
+The learner runs in its own process group, launched through Dagster Pipes by the configured
+launcher (ops/learn/launch.py): by default on this machine as
 `python -m torch.distributed.run --standalone --nproc_per_node N -m ops.learn.main --config JOB`
 (gloo on CPU, NCCL on GPU; `--standalone` picks a free rendezvous port so two runs cannot
-collide). Only rank 0 talks to Dagster: it reports the one materialization (new policy version,
-checkpoint path, key metrics) that this asset returns. Per-update metrics go to MLflow from rank 0
+collide), else torchrun on several hosts or the learner's Kubernetes Job. Only global rank 0
+talks to Dagster: it reports the one materialization (new policy version, checkpoint path, key
+metrics) that this asset returns. Per-update metrics go to MLflow from rank 0
 while the step runs, into a run this asset opens (nested under the cycle's run when its id is
 given). State: checkpoints in PERPETUA_HOME/models/learner/step-N, the new policy in
 PERPETUA_HOME/models/policy/vNNNN/hf; the base policy (v0) is read from models/base.
@@ -35,8 +37,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 class PolicyCheckpointConfig(dg.Config):
     cycle: int | None = Field(default=None, description="Cycle whose verified batch to learn from; default: the run's "
                               "cycle tag, else the latest verified_rewards materialization, else the newest stored.")
-    nproc_per_node: int = Field(default=1, description="Learner ranks (torchrun --nproc_per_node).")
-    expert_parallel: int = Field(default=1, description="Expert-parallel size; must divide nproc_per_node.")
+    nproc_per_node: int = Field(default=1, description="Learner ranks per node (torchrun --nproc_per_node).")
+    expert_parallel: int = Field(default=1, description="Expert-parallel size; must divide the ranks of all nodes.")
+    launcher: str = Field(default="local", description="How the learner step is launched (ops/learn/launch.py): "
+                          "`local` (torchrun --standalone on this machine), `multinode` (torchrun on each host of "
+                          "the settings' `hosts`, the c10d rendezvous on the first) or `kubernetes` (the learner's "
+                          "indexed Job, as `perpetua cluster render` renders it).")
+    launcher_settings_json: str = Field(default="{}", description="The launcher's settings as a JSON object: for "
+                                        "multinode the fields of ops.learn.launch.TorchrunNodes (`hosts`, `rdzv_port`, "
+                                        "`collective_timeout_s`, ...), for kubernetes those of KubernetesJob with "
+                                        "`cluster_config` (the cluster YAML/JSON file) instead of `cluster`.")
     micro_batch_size: int = Field(default=8, description="Sequences per forward/backward per rank.")
     updates_per_step: int = Field(default=4, description="Optimizer updates over the batch in this step.")
     lr: float = Field(default=5e-4, description="AdamW learning rate (5e-4 x 4 updates; 1e-3 x 4 regresses the "
@@ -67,6 +77,40 @@ def _learner_config(config: PolicyCheckpointConfig, base_hf: Path):
         return LearnerConfig(**fields)
     except (ValueError, ValidationError) as e:
         raise dg.Failure(f"invalid learner configuration: {e}") from None
+
+
+def _launcher(config: PolicyCheckpointConfig):
+    from ops.learn.launch import make_launcher
+
+    try:
+        launcher = make_launcher(config.launcher, config.nproc_per_node, json.loads(config.launcher_settings_json or "{}"))
+    except ValueError as e:
+        raise dg.Failure(f"invalid launcher configuration: {e}") from None
+    if config.expert_parallel < 1 or launcher.world_size % config.expert_parallel:
+        raise dg.Failure(f"expert_parallel={config.expert_parallel} must divide the learner's {launcher.world_size} "
+                         f"rank(s) ({config.launcher} launcher, nproc_per_node={config.nproc_per_node})")
+    return launcher
+
+
+def _run_learner(context, pipes_subprocess_client, launcher, job_path: Path, home_root: Path):
+    """The learner step through Dagster Pipes. On this machine through the Pipes subprocess client;
+    otherwise the Pipes context goes into every rank's environment (global rank 0 may land on any
+    node) and the messages come back through a file beside the job file, on PERPETUA_HOME, which
+    every node and pod mounts."""
+    from ops.learn.launch import LaunchError, LocalTorchrun
+
+    env = {"PERPETUA_HOME": str(home_root)}
+    if isinstance(launcher, LocalTorchrun):
+        return pipes_subprocess_client.run(command=launcher.command(job_path), context=context,
+                                           env=env | launcher.env(), cwd=str(REPO_ROOT))
+    reader = dg.PipesFileMessageReader(str(job_path.with_suffix(".pipes.jsonl")))
+    with dg.open_pipes_session(context=context, context_injector=dg.PipesEnvContextInjector(),
+                               message_reader=reader) as session:
+        try:
+            launcher.run(job_path, env | dict(session.get_bootstrap_env_vars()))
+        except LaunchError as e:
+            raise dg.Failure(str(e)) from None
+    return dg.PipesClientCompletedInvocation(session)
 
 
 def _mlflow_run(context, config: PolicyCheckpointConfig, cycle: int, learner_cfg) -> tuple[str, str]:
@@ -110,10 +154,10 @@ def policy_checkpoint(
     from ops.common import tracking
     from ops.policy.checkpoint import latest_complete
     from ops.learn.config import LearnerJob
-    from ops.learn.main import launch_command, launch_pythonpath
     from ops.reward.scoring import rewards_path, rollouts_path, stored_cycles
     from ops.tasks.training_tasks import current_training_tasks_path, mark_trained
 
+    launcher = _launcher(config)
     h = home().ensure()
     cycle = cycle_of(context, explicit=config.cycle, upstream="verified_rewards", stored=lambda: sorted(
         set(stored_cycles(h.data, "verified_rewards")) & set(stored_cycles(h.data, "rollouts"))))
@@ -124,8 +168,6 @@ def policy_checkpoint(
     base = h.models / "base"
     if not (base / "hf" / "config.json").exists():
         raise dg.Failure(f"no base policy at {base / 'hf'}: materialize base_policy first")
-    if config.nproc_per_node < 1 or config.nproc_per_node % config.expert_parallel:
-        raise dg.Failure(f"expert_parallel={config.expert_parallel} must divide nproc_per_node={config.nproc_per_node}")
     learner_cfg = _learner_config(config, base / "hf")
     uri, run_id = _mlflow_run(context, config, cycle, learner_cfg)
 
@@ -147,11 +189,9 @@ def policy_checkpoint(
     )
     job_path = jobs / f"{context.run.run_id}.json"
     job_path.write_text(job.model_dump_json(indent=2))
-    command = launch_command(job_path, config.nproc_per_node)
-    env = {"PERPETUA_HOME": str(h.root), "PYTHONPATH": launch_pythonpath()}
     try:
         with metered("learn", cycle) as meter:  # the torchrun processes count as waited-for children
-            result = pipes_subprocess_client.run(command=command, context=context, env=env, cwd=str(REPO_ROOT))
+            result = _run_learner(context, pipes_subprocess_client, launcher, job_path, h.root)
         materialization = result.get_materialize_result()
     except BaseException:
         tracking.end_run(uri, run_id, "FAILED")

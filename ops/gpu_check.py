@@ -170,7 +170,7 @@ def learner_job(cuda: bool, seed: int = 0) -> dict:
     from ops.bench.learner import _random_tables
     from ops.common.tables import REWARDS, ROLLOUTS, write_table
     from ops.learn.config import LearnerConfig, LearnerJob
-    from ops.learn.main import launch_command, launch_pythonpath
+    from ops.learn.launch import LocalTorchrun, launch_pythonpath
     from ops.policy import hf_convert
     from ops.policy.model import PRESETS, build_model
 
@@ -192,7 +192,7 @@ def learner_job(cuda: bool, seed: int = 0) -> dict:
             env = {k: v for k, v in os.environ.items() if not k.startswith("DAGSTER_PIPES")}
             env["PYTHONPATH"] = launch_pythonpath()
             t0 = time.perf_counter()
-            proc = subprocess.run(launch_command(root / f"job-{step}.json"), env=env, capture_output=True, text=True,
+            proc = subprocess.run(LocalTorchrun().command(root / f"job-{step}.json"), env=env, capture_output=True, text=True,
                                   timeout=300)
             if proc.returncode != 0:
                 tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-8:]

@@ -86,7 +86,7 @@ def _cold_step(rollouts, rewards, cfg, preset: str, seed: int, work: Path) -> di
 
     from ops.bench.memory import TreeMemory
     from ops.learn.config import LearnerJob
-    from ops.learn.main import REPO_ROOT, launch_command, launch_pythonpath
+    from ops.learn.launch import REPO_ROOT, LocalTorchrun, launch_pythonpath
     from ops.policy.bootstrap import random_policy
 
     policy = random_policy(work / "init", seed=seed, preset=preset)
@@ -100,7 +100,7 @@ def _cold_step(rollouts, rewards, cfg, preset: str, seed: int, work: Path) -> di
     for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
     start = time.perf_counter()
-    proc = subprocess.Popen(launch_command(work / "job.json"), env=env, cwd=REPO_ROOT,
+    proc = subprocess.Popen(LocalTorchrun().command(work / "job.json"), env=env, cwd=REPO_ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     with TreeMemory(proc.pid, lambda argv: None, "learner", {"all": None}) as memory:
         _, err = proc.communicate()

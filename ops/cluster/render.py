@@ -224,13 +224,19 @@ def mlflow_server(cfg: ClusterConfig) -> list[dict]:
     return [deployment, service]
 
 
-def learner_job(cfg: ClusterConfig) -> list[dict]:
-    """Headless Service + indexed Job: one pod per node, pod 0 hosts the c10d rendezvous."""
-    name = "perpetua-learner"
+LEARNER_NAME = "perpetua-learner"
+
+
+def learner_job(cfg: ClusterConfig, job_name: str = LEARNER_NAME) -> list[dict]:
+    """Headless Service + indexed Job: one pod per node, pod 0 hosts the c10d rendezvous.
+
+    The Service is the learner's, shared by every launch; `job_name` names one launch's Job (the
+    Kubernetes launcher, ops/learn/launch.py, gives each step its own) and its rendezvous id."""
+    name = LEARNER_NAME
     learner = cfg.learner
     labels = _labels(cfg, "learner", name)
     # Pods of an indexed Job are <job>-<index>; with `subdomain` they resolve under the Service.
-    endpoint = f"{name}-0.{cfg.svc_host(name)}:{learner.rdzv_port}"
+    endpoint = f"{job_name}-0.{cfg.svc_host(name)}:{learner.rdzv_port}"
     command = ["torchrun", "--nnodes", str(learner.nodes), "--nproc-per-node", str(learner.gpus_per_node),
                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
                "--rdzv-id", "$(PERPETUA_LEARNER_RUN)", "--max-restarts", "0",
@@ -244,8 +250,8 @@ def learner_job(cfg: ClusterConfig) -> list[dict]:
         "workingDir": CODE_DIR,
         "env": [
             {"name": "PERPETUA_HOME", "value": cfg.home.mount_path},
-            # One rendezvous id per launch; set it to the Dagster run id when launching a step.
-            {"name": "PERPETUA_LEARNER_RUN", "value": "perpetua-learner"},
+            # One rendezvous id per launch.
+            {"name": "PERPETUA_LEARNER_RUN", "value": job_name},
             {"name": "NCCL_DEBUG", "value": "WARN"},
             {"name": "NCCL_SOCKET_IFNAME", "value": learner.nccl_socket_ifname},
             {"name": "NCCL_IB_DISABLE", "value": "1" if learner.nccl_ib_disable else "0"},
@@ -257,7 +263,7 @@ def learner_job(cfg: ClusterConfig) -> list[dict]:
         "volumeMounts": _gpu_mounts(cfg),
     }
     job = {
-        "apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(cfg, name, labels),
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(cfg, job_name, labels),
         "spec": {
             "completionMode": "Indexed", "completions": learner.nodes, "parallelism": learner.nodes,
             "backoffLimit": learner.backoff_limit,

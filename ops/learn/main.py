@@ -1,5 +1,5 @@
-"""The learner process: `python -m ops.learn.main --config JOB.json`, under
-`torchrun --nproc_per_node N` for several ranks (gloo on CPU, NCCL on GPU) or alone.
+"""The learner process: `python -m ops.learn.main --config JOB.json`, under torchrun for several
+ranks on one node or several (gloo on CPU, NCCL on GPU; launchers in ops/learn/launch.py) or alone.
 
 Every rank runs one learner step (ops.learn.job); rank 0 writes the result JSON and, when
 launched by Dagster Pipes, reports the one asset materialization (only rank 0 talks to Dagster,
@@ -19,19 +19,12 @@ from pathlib import Path
 from ops.common.lineage import CONTINUES_FROM
 
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
 def launch_command(job_path: Path, nproc_per_node: int = 1) -> list[str]:
-    """How a cycle runs this process: `torchrun --standalone` (a free rendezvous port, so two runs
-    cannot collide) with `nproc_per_node` ranks, on the job file at `job_path`."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc_per_node),
-            "-m", "ops.learn.main", "--config", str(job_path)]
+    """How a cycle runs this process by default: the command line of ops.learn.launch.LocalTorchrun
+    (`torchrun --standalone --nproc_per_node N`) on the job file at `job_path`."""
+    from ops.learn.launch import LocalTorchrun
 
-
-def launch_pythonpath() -> str:
-    """PYTHONPATH for the launched ranks: this repository first, then the caller's."""
-    return os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return LocalTorchrun(nproc_per_node=nproc_per_node).command(job_path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,11 +8,14 @@ from ops.learn.errors import LearnerError
 
 
 def init_world(expert_parallel: int, seed: int) -> None:
-    """torchrun's env:// world when launched by torchrun, else a one-process world."""
+    """torchrun's env:// world when launched by torchrun (with the collective timeout its launcher
+    set, ops/learn/launch.py), else a one-process world."""
+    from ops.learn.launch import COLLECTIVE_TIMEOUT_ENV
     from ops.policy.model import init_distributed, init_single_process
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        init_distributed(expert_parallel, seed)
+        timeout = os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+        init_distributed(expert_parallel, seed, float(timeout) if timeout else None)
     else:
         if expert_parallel > 1:
             raise LearnerError(f"expert_parallel={expert_parallel} needs {expert_parallel}+ ranks: "

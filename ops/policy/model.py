@@ -137,15 +137,19 @@ def init_single_process(seed: int = 0) -> None:
     seed_everything(seed)
 
 
-def init_distributed(expert_parallel: int = 1, seed: int = 0) -> None:
-    """The torchrun world: the env:// rendezvous, expert parallelism of `expert_parallel` ranks."""
+def init_distributed(expert_parallel: int = 1, seed: int = 0, timeout_s: float | None = None) -> None:
+    """The torchrun world: the env:// rendezvous, expert parallelism of `expert_parallel` ranks.
+    `timeout_s`: how long one collective waits for its peers before it fails (None: torch's default)."""
+    import datetime
+
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     megatron_cpu.apply()
     if not dist.is_initialized():
         backend = "nccl" if megatron_cpu.cuda_available() else "gloo"
-        dist.init_process_group(backend)
+        timeout = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+        dist.init_process_group(backend, **timeout)
         if megatron_cpu.cuda_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not parallel_state.model_parallel_is_initialized():
