@@ -46,7 +46,7 @@ def deployment(context: dg.AssetExecutionContext, production_server: PolicyServe
     # so do the production traces served by it.
     own_eval = eval_event is not None and eval_event.run_id in own_run_ids(context)
     logged_model = eval_event.asset_materialization.metadata.get("mlflow_logged_model_id") if own_eval else None
-    with metered("deploy", cycle, [production_server.server_pid()]) as meter:
+    with metered("deploy", cycle, production_server.server_pids()) as meter:
         with tracking.stage_run(uri, parent, "deploy", tags=tracking.dagster_tags(context.run.run_id, "deployment"),
                                 params={"policy_version_out": candidate}) as log:
             deployed = deploy_policy(

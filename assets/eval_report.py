@@ -94,7 +94,7 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
         return _champion_check(context, cfg, trainer_server, champion, champion_registry_version, sets, env)
     cycle = cycle_of(context)
     candidate = policies.latest_version()
-    with metered("evaluate", cycle, [trainer_server.server_pid()]) as meter:
+    with metered("evaluate", cycle, trainer_server.server_pids()) as meter:
         champ, cand, ref = _score_policies(trainer_server, cfg, sets, champion, candidate, env)
         meter.add_tokens(champ.tokens + cand.tokens + (ref.tokens if ref else 0))
     gate = config.gate_config()

@@ -10,7 +10,7 @@ from ops.common.paths import home
 
 @contextlib.contextmanager
 def metered(stage: str, cycle: int, watch_pids=()):
-    """`with metered("rollout", cycle, [server_pid]) as meter: ...`; meter.cost after the block.
+    """`with metered("rollout", cycle, server_pids) as meter: ...`; meter.cost after the block.
 
     `stage` is the asset's Dagster group name, so costs add up by the same stages as the graph."""
     meter = StageMeter(stage)

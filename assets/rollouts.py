@@ -7,9 +7,10 @@ import dagster as dg
 from pydantic import Field
 
 from assets.cycle import cycle_of
+from assets.cycle_run import cycle_run_id
 from assets.metering import cost_metadata, metered
 from assets.resources import MlflowTracking, PolicyLineage, PolicyServer
-from ops.common import faults
+from ops.common import faults, tracking
 from ops.common.paths import home
 from ops.common.tables import ROLLOUTS, table_hash, write_table
 from ops.envs.home import home_environment, stage_code_version
@@ -42,6 +43,22 @@ class RolloutsConfig(dg.Config):
     top_p: float = Field(default=1.0, description="Must stay 1: the learner does not renormalize a nucleus.")
     max_tokens: int = 64
     seed: int = 0
+
+
+def _log_rollout_run(context, mlflow: MlflowTracking, cycle: int, version: int, engine, rollouts: int) -> str:
+    """The `rollout` stage run under the cycle's MLflow run: the server pool the rollouts came from
+    (servers, fail-overs, the servers that died, the engine's restarts), so a lost server shows
+    in the cycle's record, not only in a log."""
+    uri = mlflow.uri()
+    pool = engine.pool_record()
+    with tracking.stage_run(uri, cycle_run_id(context, uri, mlflow.experiment, cycle), "rollout",
+                            tags=tracking.dagster_tags(context.run.run_id, "rollouts"),
+                            params={"policy_version_in": version, "servers": len(pool["servers"])}) as log:
+        log.log_metrics({"rollouts": rollouts, "failed_servers": len(pool["failed_servers"]),
+                         "failovers": pool["failovers"], "engine_retries": engine.stats.retries,
+                         "engine_restarts": engine.stats.restarts}, step=cycle)
+        log.log_dict(pool, f"rollouts/cycle-{cycle}-server-pool.json")
+    return log.run_id
 
 
 def dynamic_config(config: RolloutsConfig) -> DynamicSamplingConfig:
@@ -89,7 +106,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_
         sandbox = Sandbox()
     except SandboxUnavailable as e:
         raise dg.Failure(f"cannot screen rollouts: {e}") from None
-    with metered("rollout", cycle, [trainer_server.server_pid()]) as meter:
+    with metered("rollout", cycle, trainer_server.server_pids()) as meter:
         engine = trainer_server.engine(model_dir, version)
         context.log.info(f"cycle {cycle}: {len(pool)} training tasks, {config.group_size} samples per task, "
                          f"by policy v{version}; history of cycles {list(history.cycles)}")
@@ -101,12 +118,18 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_
         context.log.warning(f"cycle {cycle}: {batch.informative_groups} informative groups, fewer than the "
                             f"{dynamic.min_informative_groups} wanted (stopped: {batch.exhausted}); training on what "
                             "was sampled")
+    servers = engine.pool_record()
+    for failure in servers["failed_servers"]:
+        context.log.warning(f"vLLM server {failure['url']} was taken out of the pool ({failure['error']}); its "
+                            f"{failure['in_flight']} request(s) in flight were sent to the other servers")
     table = write_table(rollouts_table(batch.rows), ROLLOUTS, rollouts_path(data, cycle))
+    run_id = _log_rollout_run(context, mlflow, cycle, version, engine, len(batch.rows))
     policy_rows = [r for r in batch.rows if r["source"] == "policy"]
     faults.stage_done("rollouts")
     return dg.MaterializeResult(
         metadata={
             "cycle": cycle,
+            "mlflow_run_id": run_id,
             "policy_version": version,
             "environment": dg.MetadataValue.json(env.identity()),
             "rollouts": len(batch.rows),
@@ -128,6 +151,10 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_
             "engine_parts": dg.MetadataValue.json({
                 "generation_s": round(batch.generation_seconds, 3), "verification_s": round(batch.screening_seconds, 3),
                 "generation_tokens_per_s": round(batch.completion_tokens / max(batch.generation_seconds, 1e-9), 1)}),
+            "servers": len(servers["servers"]),
+            "failed_servers": dg.MetadataValue.json(servers["failed_servers"]),
+            "server_pool": dg.MetadataValue.json(servers),
+            "engine_restarts": engine.stats.restarts,
             "finish_reasons": dg.MetadataValue.json(dict(Counter(r["finish_reason"] for r in policy_rows))),
             "episodes_with_answer": sum(1 for r in policy_rows if r["final_answer"] is not None),
             "sampling": dg.MetadataValue.json(sampling.model_dump()),

@@ -181,7 +181,7 @@ def production_traffic(production, champion: str, requests: int, t0: float, t1: 
     from ops.harvest.simulator import SimulatorConfig, run_simulation
     from ops.policy.tokenizer import load_hf_tokenizer
 
-    engine = ServerEngine(f"http://127.0.0.1:{production.port}")
+    engine = ServerEngine(production.urls())
     tokenizer = load_hf_tokenizer(policies.hf_dir(engine.policy_version))
     cfg = SimulatorConfig(requests=requests, seed=seed, time_start=t0, time_end=t1, model_version=champion, windows=1)
     result = run_simulation(engine, tokenizer, traces_to, cfg, env=home_environment())
@@ -218,7 +218,8 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
     os.environ[tracking.ENV_TRACKING_URI] = uri
     resources = for_environment()
     production = resources["production_server"]
-    started_servers = [p for p in (production.port, resources["trainer_server"].port) if vllm_server.status(p) is None]
+    started_servers = [p for pool in (production, resources["trainer_server"]) for p in pool.local_ports()
+                       if vllm_server.status(p) is None]
     rows, failure_rates, overall_rates, automation_state = [], [], [], {}
     started_daemon = False
 
@@ -239,7 +240,7 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
         boot = defs.resolve_job_def("bootstrap").execute_in_process(instance=instance, run_config=job_run_config(settings, "bootstrap"))
         if not boot.success:
             raise RuntimeError("the bootstrap run failed; see the Dagster UI")
-        # The trainer server starts while the production server does (each takes ~35 s here).
+        # The trainer servers start while the production servers do (each takes ~35 s here).
         with ThreadPoolExecutor(max_workers=1) as pool:
             latest = policies.latest_version()
             trainer_up = pool.submit(resources["trainer_server"].warm, policies.hf_dir(latest), latest)

@@ -241,7 +241,7 @@ def production_follows_champion(context: dg.RunFailureSensorContext, mlflow: Mlf
         return dg.SkipReason(f"{run.job_name} is not a cycle run")
     if not _deploy_started(context):
         return dg.SkipReason(f"cycle run {run.run_id} failed before its deploy: production was not touched")
-    if not production_server.base_urls and production_server.server_pid() is None:
+    if not production_server.base_urls and not production_server.server_pids():
         return dg.SkipReason("no production server runs; it serves the champion when it starts")
     done = reconcile_champion(mlflow.uri(), production_server.serve)
     if done is None:

@@ -124,8 +124,8 @@ def test_a_cycle_that_fails_in_its_deploy_leaves_production_on_the_champion(perp
     uri, served = tracking.local_store(home().mlflow)[0], tmp_path / "served"
 
     class StandInProduction(PolicyServer):  # refit = record the policy it serves
-        def server_pid(self):
-            return os.getpid()
+        def server_pids(self):
+            return [os.getpid()]
 
         def serve(self, model_dir) -> int:
             version = json.loads((Path(model_dir) / "config.json").read_text())["perpetua_policy_version"]

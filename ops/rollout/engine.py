@@ -258,9 +258,9 @@ class RolloutEngine(ABC):
                 except RolloutEngineError as e:
                     last = e
                     continue
-            loaded = self.check_version(require_version)
-            start = time.monotonic()
             try:
+                loaded = self.check_version(require_version)
+                start = time.monotonic()
                 results = self._generate(requests)
             except EngineFailure as e:
                 last = e
