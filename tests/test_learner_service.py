@@ -2,7 +2,7 @@
 expert parallelism 2, gloo. Three steps through the service equal three cold steps (`python -m
 ops.learn.main` under torchrun, as a cycle launches it) bit for bit: two in a row on one service,
 and one after that service was SIGKILLed, on a new one that resumes from the checkpoint; a bad job is the job's failure
-(exit code 2) and the service serves on; `stop` ends it."""
+(exit code 2) and the service serves on; `perpetua stop` ends it."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def _outcome(root: Path, step: int) -> tuple[str, list]:
     return file_hash(weights), [{k: u[k] for k in ("loss", "pg_loss", "grad_norm", "entropy")} for u in result["history"]]
 
 
-def test_persistent_learner_steps_equal_cold_steps_across_a_kill(tmp_path, monkeypatch):
+def test_persistent_learner_steps_equal_cold_steps_across_a_kill(tmp_path, monkeypatch, capsys):
     from learner_data import synthetic_tables
 
     base = random_policy(tmp_path / "base", seed=1234)
@@ -93,6 +93,12 @@ def test_persistent_learner_steps_equal_cold_steps_across_a_kill(tmp_path, monke
         assert reply.exit_code == 2 and "missing" in reply.error, reply
         again = service.start(h, nproc_per_node=2, expert_parallel=2)
         assert again.reused and again.pid == second.pid
+
+        from pipelines.cli import main
+
+        capsys.readouterr()
+        assert main(["stop", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["learner"] is True
     finally:
         service.stop(h)
     assert service.status(h) is None and not supervisor.alive(second.pid)
