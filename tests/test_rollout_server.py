@@ -204,7 +204,7 @@ def test_stop_ends_the_server_process_group(server, home, monkeypatch, capsys):
     stale.write_text(json.dumps({"pid": dead.pid}))
     monkeypatch.setenv("PERPETUA_HOME", str(home.root))
     assert main(["stop", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"vllm": [server.port], "mlflow": False, "dagster_daemon": False, "postgres": False}
+    assert json.loads(capsys.readouterr().out) == {"vllm": [server.port], "learner": False, "mlflow": False, "dagster_daemon": False, "postgres": False}
     assert not stale.exists()
     assert not psutil.pid_exists(server.pid) or psutil.Process(server.pid).status() == psutil.STATUS_ZOMBIE
     assert vllm_server.status(server.port, h=home) is None

@@ -35,41 +35,23 @@ def main(argv: list[str] | None = None) -> int:
     from ops.common.quiet import quiet_known_warnings
 
     quiet_known_warnings()  # before megatron-core is imported
-    from pydantic import ValidationError
-
-    from ops.learn.batch import BatchError
     from ops.learn.config import LearnerJob
-    from ops.learn.errors import LearnerError
-    from ops.learn.export import file_hash
-    from ops.learn.job import run_job
     from ops.learn.world import init_world
 
-    user_errors = (BatchError, LearnerError, ValidationError, FileNotFoundError)
+    errors = user_errors()
     try:
         job = LearnerJob.model_validate_json(args.config.read_text())
-    except user_errors as e:
+    except errors as e:
         print(f"learner: bad job file {args.config}: {e}", file=sys.stderr)
         return 2
     rank = int(os.environ.get("RANK", "0"))
-    with _pipes(rank) as pipes:
-        log = _logger(rank, pipes)
+    with pipes_session(rank, os.environ) as pipes:
         try:
             init_world(job.learner.expert_parallel, job.learner.seed)
-            result = run_job(job, log)
-        except user_errors as e:
-            print(f"learner: {e}", file=sys.stderr, flush=True)
-            if pipes is not None:
-                pipes.log.error(str(e))
+            run_and_report(job, rank, pipes)
+        except errors as e:
+            report_user_error(e, pipes)
             return 2
-        if rank == 0:
-            if job.result_path is not None:
-                job.result_path.parent.mkdir(parents=True, exist_ok=True)
-                job.result_path.write_text(json.dumps(result, indent=2, default=str))
-            if pipes is not None:
-                pipes.report_asset_materialization(
-                    metadata=materialization_metadata(result, job),
-                    data_version=file_hash(Path(result["hf_dir"]) / "model.safetensors"),
-                )
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -77,12 +59,50 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _pipes(rank: int):
-    """Dagster Pipes on rank 0 when launched by Pipes, else a context that yields None."""
-    if rank == 0 and "DAGSTER_PIPES_CONTEXT" in os.environ:
-        from dagster_pipes import open_dagster_pipes
+def user_errors() -> tuple[type[Exception], ...]:
+    """The failures that are the job's fault (bad job file, bad batch, inconsistent
+    configuration): exit status 2 and the reason, never a traceback."""
+    from pydantic import ValidationError
 
-        return open_dagster_pipes()
+    from ops.learn.batch import BatchError
+    from ops.learn.errors import LearnerError
+
+    return (BatchError, LearnerError, ValidationError, FileNotFoundError)
+
+
+def run_and_report(job, rank: int, pipes) -> dict:
+    """One learner step on an initialised world; rank 0 writes the result file and reports the
+    materialization to Dagster Pipes (when `pipes`)."""
+    from ops.learn.export import file_hash
+    from ops.learn.job import run_job
+
+    result = run_job(job, _logger(rank, pipes))
+    if rank == 0:
+        if job.result_path is not None:
+            job.result_path.parent.mkdir(parents=True, exist_ok=True)
+            job.result_path.write_text(json.dumps(result, indent=2, default=str))
+        if pipes is not None:
+            pipes.report_asset_materialization(
+                metadata=materialization_metadata(result, job),
+                data_version=file_hash(Path(result["hf_dir"]) / "model.safetensors"),
+            )
+    return result
+
+
+def report_user_error(e: Exception, pipes) -> None:
+    print(f"learner: {e}", file=sys.stderr, flush=True)
+    if pipes is not None:
+        pipes.log.error(str(e))
+
+
+def pipes_session(rank: int, env) -> contextlib.AbstractContextManager:
+    """Dagster Pipes on rank 0 when `env` holds Pipes' bootstrap variables (the process
+    environment when launched by Pipes; a step request's for the persistent learner), else a
+    context that yields None."""
+    if rank == 0 and "DAGSTER_PIPES_CONTEXT" in env:
+        from dagster_pipes import PipesMappingParamsLoader, open_dagster_pipes
+
+        return open_dagster_pipes(params_loader=PipesMappingParamsLoader(dict(env)))
     return contextlib.nullcontext(None)
 
 

@@ -1,0 +1,105 @@
+"""The persistent learner (ops/learn/service.py) on the real engines: two ranks under torchrun,
+expert parallelism 2, gloo. Three steps through the service equal three cold steps (`python -m
+ops.learn.main` under torchrun, as a cycle launches it) bit for bit: two in a row on one service,
+and one after that service was SIGKILLed, on a new one that resumes from the checkpoint; a bad job is the job's failure
+(exit code 2) and the service serves on; `perpetua stop` ends it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ops.common.paths import Home
+from ops.common.tables import REWARDS, ROLLOUTS, write_table
+from ops.learn import service
+from ops.learn.export import file_hash
+from ops.policy.bootstrap import random_policy
+from ops.serving import supervisor
+from ops.serving.api_key import api_key
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _job(root: Path, base: Path, data: Path, step: int, **learner) -> Path:
+    from ops.learn.config import LearnerConfig, LearnerJob
+
+    job = LearnerJob(
+        learner=LearnerConfig(lr=1e-3, micro_batch_size=4, updates_per_step=2, expert_parallel=2, **learner),
+        rollouts=[data / f"rollouts-{step}.parquet"], rewards=[data / f"rewards-{step}.parquet"], init_hf_dir=base,
+        checkpoint_dir=root / "learner", export_root=root / "policy", result_path=root / f"result-{step}.json", cycle=step,
+    )
+    path = root / f"job-{step}.json"
+    root.mkdir(parents=True, exist_ok=True)
+    path.write_text(job.model_dump_json())
+    return path
+
+
+def _cold(job: Path) -> None:
+    from ops.learn.main import launch_command, launch_pythonpath
+
+    env = {**os.environ, "PYTHONPATH": launch_pythonpath()}
+    done = subprocess.run(launch_command(job, 2), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def _outcome(root: Path, step: int) -> tuple[str, list]:
+    result = json.loads((root / f"result-{step}.json").read_text())
+    weights = root / "policy" / f"v{result['policy_version']:04d}" / "hf" / "model.safetensors"
+    return file_hash(weights), [{k: u[k] for k in ("loss", "pg_loss", "grad_norm", "entropy")} for u in result["history"]]
+
+
+def test_persistent_learner_steps_equal_cold_steps_across_a_kill(tmp_path, monkeypatch, capsys):
+    from learner_data import synthetic_tables
+
+    base = random_policy(tmp_path / "base", seed=1234)
+    data = tmp_path / "data"
+    data.mkdir()
+    for step, seed in ((1, 3), (2, 4), (3, 5)):
+        ro, rw = synthetic_tables(6, 4, all_equal_groups=1, seed=seed, cycle=step)
+        write_table(ro, ROLLOUTS, data / f"rollouts-{step}.parquet")
+        write_table(rw, REWARDS, data / f"rewards-{step}.parquet")
+
+    for step in (1, 2, 3):
+        _cold(_job(tmp_path / "cold", base, data, step))
+
+    h = Home(tmp_path / "home").ensure()
+    monkeypatch.setenv("PERPETUA_HOME", str(h.root))
+    key = api_key(h.root)
+    warm = tmp_path / "warm"
+    try:
+        first = service.start(h, nproc_per_node=2, expert_parallel=2)
+        for step in (1, 2):  # one world, two steps
+            reply = service.step(first, _job(warm, base, data, step), api_key=key)
+            assert reply.exit_code == 0 and reply.cpu_seconds > 0, reply
+            assert _outcome(warm, step) == _outcome(tmp_path / "cold", step), step
+        assert service.start(h, nproc_per_node=2, expert_parallel=2).pid == first.pid
+
+        # Killed between cycles: the next step starts a new service, which resumes from the checkpoint.
+        supervisor.kill_group(first.pid, grace_s=0.0)
+        assert service.status(h) is None
+        second = service.start(h, nproc_per_node=2, expert_parallel=2)
+        assert second.pid != first.pid and not second.reused
+        reply = service.step(second, _job(warm, base, data, 3), api_key=key)
+        assert reply.exit_code == 0, reply
+        assert _outcome(warm, 3) == _outcome(tmp_path / "cold", 3)
+
+        # A job the learner cannot run is the job's failure; the service serves on, and is reused.
+        bad = warm / "bad.json"
+        bad.write_text(_job(warm, base, data, 3).read_text().replace("rollouts-3", "missing"))
+        reply = service.step(second, bad, api_key=key)
+        assert reply.exit_code == 2 and "missing" in reply.error, reply
+        again = service.start(h, nproc_per_node=2, expert_parallel=2)
+        assert again.reused and again.pid == second.pid
+
+        from pipelines.cli import main
+
+        capsys.readouterr()
+        assert main(["stop", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["learner"] is True
+    finally:
+        service.stop(h)
+    assert service.status(h) is None and not supervisor.alive(second.pid)
+    assert "learner service: world 2, expert parallel 2" in service.log_file(h).read_text()
