@@ -40,7 +40,8 @@ class PolicyCheckpointConfig(dg.Config):
     nproc_per_node: int = Field(default=1, description="Learner ranks per node (torchrun --nproc_per_node).")
     expert_parallel: int = Field(default=1, description="Expert-parallel size; must divide the ranks of all nodes.")
     launcher: str = Field(default="local", description="How the learner step is launched (ops/learn/launch.py): "
-                          "`local` (torchrun --standalone on this machine), `multinode` (torchrun on each host of "
+                          "`local` (torchrun --standalone on this machine), `persistent` (this home's learner "
+                          "service: a torchrun world on this machine that stays up between steps), `multinode` (torchrun on each host of "
                           "the settings' `hosts`, the c10d rendezvous on the first) or `kubernetes` (the learner's "
                           "indexed Job, as `perpetua cluster render` renders it).")
     launcher_settings_json: str = Field(default="{}", description="The launcher's settings as a JSON object: for "
@@ -92,11 +93,12 @@ def _launcher(config: PolicyCheckpointConfig):
     return launcher
 
 
-def _run_learner(context, pipes_subprocess_client, launcher, job_path: Path, home_root: Path):
+def _run_learner(context, pipes_subprocess_client, launcher, job_path: Path, home_root: Path, meter):
     """The learner step through Dagster Pipes. On this machine through the Pipes subprocess client;
     otherwise the Pipes context goes into every rank's environment (global rank 0 may land on any
-    node) and the messages come back through a file beside the job file, on PERPETUA_HOME, which
-    every node and pod mounts."""
+    node; for the persistent learner, into the step request) and the messages come back through a
+    file beside the job file, on PERPETUA_HOME, which every node and pod mounts. CPU time the
+    launcher reports from processes that are not this run's children goes to the cost meter."""
     from ops.learn.launch import LaunchError, LocalTorchrun
 
     env = {"PERPETUA_HOME": str(home_root)}
@@ -107,9 +109,11 @@ def _run_learner(context, pipes_subprocess_client, launcher, job_path: Path, hom
     with dg.open_pipes_session(context=context, context_injector=dg.PipesEnvContextInjector(),
                                message_reader=reader) as session:
         try:
-            launcher.run(job_path, env | dict(session.get_bootstrap_env_vars()))
+            spent = launcher.run(job_path, env | dict(session.get_bootstrap_env_vars()))
         except LaunchError as e:
             raise dg.Failure(str(e)) from None
+    if spent:
+        meter.add_cpu_core_seconds(spent)
     return dg.PipesClientCompletedInvocation(session)
 
 
@@ -191,7 +195,7 @@ def policy_checkpoint(
     job_path.write_text(job.model_dump_json(indent=2))
     try:
         with metered("learn", cycle) as meter:  # the torchrun processes count as waited-for children
-            result = _run_learner(context, pipes_subprocess_client, launcher, job_path, h.root)
+            result = _run_learner(context, pipes_subprocess_client, launcher, job_path, h.root, meter)
         materialization = result.get_materialize_result()
     except BaseException:
         tracking.end_run(uri, run_id, "FAILED")

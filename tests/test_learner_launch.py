@@ -140,8 +140,10 @@ def test_kubernetes_job_failure_is_a_launch_error_and_the_job_is_removed():
 
 
 @pytest.mark.parametrize("kind, settings, message", [
-    ("slurm", {}, "unknown launcher 'slurm': choose one of local, multinode, kubernetes"),
+    ("slurm", {}, "unknown launcher 'slurm': choose one of local, persistent, multinode, kubernetes"),
     ("local", {"hosts": ["a"]}, "the local launcher takes no settings"),
+    ("persistent", {"hosts": ["a"]}, "persistent launcher: hosts: Extra inputs are not permitted"),
+    ("persistent", {"step_timeout_s": 0}, "persistent launcher: step_timeout_s: Input should be greater than 0"),
     ("multinode", {}, "multinode launcher: hosts: Field required"),
     ("multinode", {"hosts": ["a", "b"], "rdzv_prot": 1}, "multinode launcher: rdzv_prot: Extra inputs are not permitted"),
     ("kubernetes", {"cluster_config": "/no/cluster.yaml"}, "config file /no/cluster.yaml does not exist"),

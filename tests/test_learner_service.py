@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from ops.common.paths import Home
@@ -38,7 +37,8 @@ def _job(root: Path, base: Path, data: Path, step: int, **learner) -> Path:
 
 
 def _cold(job: Path) -> None:
-    from ops.learn.main import launch_command, launch_pythonpath
+    from ops.learn.launch import launch_pythonpath
+    from ops.learn.main import launch_command
 
     env = {**os.environ, "PYTHONPATH": launch_pythonpath()}
     done = subprocess.run(launch_command(job, 2), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -103,3 +103,39 @@ def test_persistent_learner_steps_equal_cold_steps_across_a_kill(tmp_path, monke
         service.stop(h)
     assert service.status(h) is None and not supervisor.alive(second.pid)
     assert "learner service: world 2, expert parallel 2" in service.log_file(h).read_text()
+
+
+def test_policy_checkpoint_through_the_persistent_learner(perpetua_home):
+    """The asset with `launcher: persistent`: two cycles' steps on one service (started by the
+    first, reused by the second), each materialization back through Pipes from the service's rank
+    0, and the service's CPU time in the stage's cost."""
+    from test_policy_checkpoint_asset import make_base_policy, write_cycle
+
+    import dagster as dg
+
+    from assets.policy_checkpoint import policy_checkpoint
+    from assets.resources import PolicyLineage
+    from ops.common import tracking
+
+    h = Home(perpetua_home)
+    make_base_policy(perpetua_home)
+    pids, mats = [], []
+    try:
+        for cycle in (1, 2):
+            write_cycle(perpetua_home, cycle)
+            config = {"cycle": cycle, "micro_batch_size": 4, "updates_per_step": 2, "lr": 1e-3, "launcher": "persistent",
+                      "mlflow_tracking_uri": tracking.sqlite_uri(perpetua_home / "mlflow" / "mlflow.db")}
+            with dg.instance_for_test() as instance:
+                result = dg.materialize([policy_checkpoint], instance=instance,
+                                        run_config={"ops": {"policy_checkpoint": {"config": config}}},
+                                        resources={"pipes_subprocess_client": dg.PipesSubprocessClient(),
+                                                   "lineage": PolicyLineage(continue_from="latest")})
+            assert result.success
+            (mat,) = result.asset_materializations_for_node("policy_checkpoint")
+            mats.append({k: v.value for k, v in mat.metadata.items()})
+            pids.append(service.status(h).pid)
+    finally:
+        service.stop(h)
+    assert [m["policy_version"] for m in mats] == [1, 2] and pids[0] == pids[1]
+    for m in mats:  # the service's ranks are not the run's children: their CPU comes with the reply
+        assert m["cpu_core_seconds"] >= m["engine_seconds"] > 0, m

@@ -4,6 +4,8 @@ the policy_checkpoint asset picks a backend by configuration and every caller bu
 command lines:
 
 - `LocalTorchrun`: `torchrun --standalone --nproc_per_node N` on this machine (the default);
+- `PersistentLearner`: the step handed to this home's learner service, a torchrun world on this
+  machine that stays up between steps (ops/learn/service.py);
 - `MultiNodeTorchrun`: one node's launcher of a multi-node step (`torchrun --nnodes N
   --rdzv-backend c10d ...`), one such process per node, all on the same job file;
 - `TorchrunNodes`: every node of a multi-node step started from here, a `MultiNodeTorchrun` per
@@ -66,9 +68,11 @@ class Launcher(ABC):
         """Ranks of the step, over all nodes (expert_parallel must divide it)."""
 
     @abstractmethod
-    def run(self, job_path: Path, env: Mapping[str, str]) -> None:
+    def run(self, job_path: Path, env: Mapping[str, str]) -> float | None:
         """Run the step on `job_path` to completion, with `env` added to every rank's environment;
-        raise LaunchError when it fails."""
+        raise LaunchError when it fails. Returns the CPU core-seconds the step spent in processes
+        that are not the caller's children, when the launcher knows them (the cost meter counts
+        the children it waited for itself), else None."""
 
 
 class _Process(BaseModel, Launcher):
@@ -368,9 +372,44 @@ def _create(call, exists_ok: bool) -> None:
             raise LaunchError(f"the Kubernetes API refused the learner launch: {e.status} {e.reason}") from None
 
 
+class PersistentLearner(BaseModel, Launcher):
+    """The step on this home's learner service (ops/learn/service.py): a torchrun world of
+    `nproc_per_node` ranks on this machine that stays up between steps, so a step does not pay for
+    starting processes and importing torch and megatron-core. Started when missing (or when it
+    runs another shape: ranks, or the job's expert parallelism); `perpetua stop` stops it."""
+
+    model_config = {"frozen": True, "extra": "forbid"}
+
+    nproc_per_node: Annotated[int, Field(ge=1, description="Ranks of the service's world")] = 1
+    start_timeout_s: Annotated[float, Field(gt=0, description="How long a new service may take to come up")] = 300.0
+    step_timeout_s: Annotated[float, Field(gt=0, description="How long one step may take")] = 6 * 3600.0
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node
+
+    def run(self, job_path: Path, env: Mapping[str, str]) -> float | None:
+        import json
+
+        from ops.common.paths import home
+        from ops.learn import service
+
+        expert_parallel = int(json.loads(Path(job_path).read_text())["learner"].get("expert_parallel", 1))
+        try:
+            server = service.start(home(), nproc_per_node=self.nproc_per_node, expert_parallel=expert_parallel,
+                                   timeout_s=self.start_timeout_s)
+            reply = service.step(server, Path(job_path), dict(env), timeout_s=self.step_timeout_s)
+        except service.LearnerServiceError as e:
+            raise LaunchError(str(e)) from None
+        if reply.exit_code != 0:
+            raise LaunchError(f"the learner service failed the step (exit {reply.exit_code}): {reply.error}; "
+                              f"log {server.log}")
+        return reply.cpu_seconds
+
+
 # ---- from configuration ------------------------------------------------------------------------
 
-LAUNCHERS = ("local", "multinode", "kubernetes")
+LAUNCHERS = ("local", "persistent", "multinode", "kubernetes")
 
 
 def make_launcher(kind: str, nproc_per_node: int, settings: Mapping[str, Any]) -> Launcher:
@@ -393,6 +432,8 @@ def _make_launcher(kind: str, nproc_per_node: int, settings: dict) -> Launcher:
         if settings:
             raise ValueError(f"the local launcher takes no settings (got {sorted(settings)}); nproc_per_node sets its ranks")
         return LocalTorchrun(nproc_per_node=nproc_per_node)
+    if kind == "persistent":
+        return PersistentLearner(**{"nproc_per_node": nproc_per_node, **settings})
     if kind == "multinode":
         return TorchrunNodes(**{"nproc_per_node": nproc_per_node, **settings})
     if kind == "kubernetes":

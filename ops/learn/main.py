@@ -100,9 +100,12 @@ def pipes_session(rank: int, env) -> contextlib.AbstractContextManager:
     environment when launched by Pipes; a step request's for the persistent learner), else a
     context that yields None."""
     if rank == 0 and "DAGSTER_PIPES_CONTEXT" in env:
-        from dagster_pipes import PipesMappingParamsLoader, open_dagster_pipes
+        from dagster_pipes import (PipesContext, PipesDefaultContextLoader, PipesDefaultMessageWriter,
+                                   PipesMappingParamsLoader)
 
-        return open_dagster_pipes(params_loader=PipesMappingParamsLoader(dict(env)))
+        # A context of its own per step, not `open_dagster_pipes`'s process-wide one: the
+        # persistent learner opens one per step, and that one stays closed after the first.
+        return PipesContext(PipesMappingParamsLoader(dict(env)), PipesDefaultContextLoader(), PipesDefaultMessageWriter())
     return contextlib.nullcontext(None)
 
 

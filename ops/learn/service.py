@@ -101,7 +101,7 @@ def status(h: Home) -> LearnerService | None:
 def start(h: Home, *, nproc_per_node: int = 1, expert_parallel: int = 1, timeout_s: float = 300.0) -> LearnerService:
     """The running service of this home when its world has this shape, else a new one (a service
     of another shape is stopped first)."""
-    from ops.learn.main import REPO_ROOT, launch_pythonpath
+    from ops.learn.launch import REPO_ROOT, launch_pythonpath
     from ops.policy.model import _free_port
 
     running = status(h)
@@ -241,7 +241,7 @@ def serve(port: int, expert_parallel: int) -> int:
     quiet_known_warnings()  # before megatron-core is imported
     import torch.distributed as dist
 
-    import ops.learn.job  # noqa: F401  (the imports a cold step pays for, paid once)
+    import ops.learn.job  # noqa: F401  # the imports a cold step pays for, paid once
     from ops.learn.world import init_world
 
     init_world(expert_parallel, 0)
