@@ -48,7 +48,7 @@ def process_kind(argv: list[str]) -> str | None:
     line = " ".join(argv)
     if "vllm.entrypoints" in line or line.startswith("VLLM"):
         return "vllm"
-    if "ops.learn.main" in line:
+    if "ops.learn.main" in line or "ops.learn.service" in line:
         return "learner"
     if "mlflow" in line and "server" in line:
         return "mlflow"
@@ -61,8 +61,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_demo(h: Path, cycles: int, base: Path | None, log=print) -> tuple[dict, TreeMemory, float]:
-    """The demo in home `h`: its summary, its process tree's memory and its wall seconds."""
+LEARNER_RUN_CONFIG = "perpetua_cycle:\n  ops:\n    policy_checkpoint: {{config: {{launcher: {launcher}}}}}\n"
+
+
+def run_demo(h: Path, cycles: int, base: Path | None, log=print, launcher: str = "local") -> tuple[dict, TreeMemory, float]:
+    """The demo in home `h`, its learner steps through `launcher` (ops/learn/launch.py): its
+    summary, its process tree's memory and its wall seconds."""
     (h / "models").mkdir(parents=True)
     if base is not None:
         shutil.copytree(base, h / "models" / "base")
@@ -72,6 +76,9 @@ def run_demo(h: Path, cycles: int, base: Path | None, log=print) -> tuple[dict, 
         env.pop(k, None)
     command = [sys.executable, "-m", "pipelines.cli", "demo", "--cycles", str(cycles), "--summary", str(summary_path),
                "--no-automation"]
+    if launcher != "local":
+        (h / "learner.yaml").write_text(LEARNER_RUN_CONFIG.format(launcher=launcher))
+        command += ["--run-config", str(h / "learner.yaml")]
     log(f"bench cycle: {cycles} demo cycles in {h} (log {h / 'demo.log'})")
     start = time.monotonic()
     with open(h / "demo.log", "w") as out:
@@ -104,15 +111,19 @@ def read_breakdowns(h: Path, rows: list[dict]) -> list[dict]:
     return out
 
 
-def run_bench(cycles: int = 3, base: Path | None = None, log=print) -> dict:
+def run_bench(cycles: int = 3, base: Path | None = None, log=print, launcher: str = "local") -> dict:
+    """`launcher`: how the cycles' learner steps run (`local`: a torchrun per step, the default;
+    `persistent`: the learner service that stays up between cycles)."""
     if cycles < 1:
         raise ValueError("--cycles must be at least 1")
+    if launcher not in ("local", "persistent"):
+        raise ValueError(f"--learner must be local or persistent, not {launcher!r}")
     if base is not None and not (base / "hf" / "config.json").exists():
         raise ValueError(f"--base {base}: not a base policy directory (no hf/config.json; use a home's models/base)")
     from ops.cost.meter import detect_gpus
 
     h = Path(tempfile.mkdtemp(prefix="perpetua-bench-cycle-"))
-    summary, memory, demo_wall = run_demo(h, cycles, base, log)
+    summary, memory, demo_wall = run_demo(h, cycles, base, log, launcher)
     per_cycle = read_breakdowns(h, summary["cycles"])
     measured = per_cycle[1:] if len(per_cycle) > 1 else per_cycle
     total = combine(measured)
@@ -139,6 +150,7 @@ def run_bench(cycles: int = 3, base: Path | None = None, log=print) -> dict:
         "per_cycle": per_cycle,
         "demo_wall_s": round(demo_wall, 1),
         "base_policy": str(base) if base is not None else "bootstrapped",
+        "learner_launcher": launcher,
         "machine": {"cpu_count": os.cpu_count(), "gpus": gpus, "gpu_type": gpu_type},
         "memory_samples": memory.samples,
     }

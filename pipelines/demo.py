@@ -201,6 +201,7 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
     if settings.environment:
         os.environ[ENV_VAR] = settings.environment
     env = home_environment()
+    from ops.learn import service as learner_service
     from ops.serving import mlflow_server, vllm_server
     from pipelines.definitions import defs
     from assets.resources import for_environment
@@ -295,6 +296,7 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
             daemon.stop(h)
         for port in started_servers:
             vllm_server.stop(port)
+        learner_service.stop(h)  # a persistent learner its cycles started (`launcher: persistent`)
         if started_mlflow:
             mlflow_server.stop(h)
     summary = {"environment": env.identity(), "cycles": rows, "production_failure_rate": failure_rates, "overall_failure_rate": overall_rates,

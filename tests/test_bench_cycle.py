@@ -140,3 +140,12 @@ def test_tree_memory_counts_children_by_kind():
     assert memory.samples > 5
     assert memory.hwm_mb["parent"] >= 60 and memory.hwm_mb["worker"] >= 40
     assert memory.peak_mb["workers"] >= 40 and memory.peak_mb["all"] >= 100
+
+
+def test_the_persistent_learner_counts_as_learner_and_a_bad_launcher_is_refused():
+    from pipelines.bench_cycle import process_kind, run_bench
+
+    assert process_kind(["python", "-m", "torch.distributed.run", "-m", "ops.learn.service", "--port", "1"]) == "learner"
+    assert process_kind(["python", "-m", "ops.learn.main", "--config", "j.json"]) == "learner"
+    with pytest.raises(ValueError, match="--learner must be local or persistent"):
+        run_bench(cycles=1, launcher="slurm")
