@@ -136,30 +136,16 @@ def test_policy_checkpoint_reports_through_pipes_from_two_nodes(perpetua_home):
     """The asset with the multinode launcher: both nodes started from the run, the Pipes context in
     every rank's environment, the one materialization back from global rank 0 (whichever node the
     rendezvous put it on) through the message file beside the job file."""
-    from test_policy_checkpoint_asset import make_base_policy, write_cycle
+    from test_policy_checkpoint_asset import make_base_policy, materialize_step, write_cycle
 
-    import dagster as dg
-
-    from assets.policy_checkpoint import policy_checkpoint
-    from assets.resources import PolicyLineage
-    from ops.common import tracking
     from ops.policy.model import _free_port
 
     make_base_policy(perpetua_home)
     write_cycle(perpetua_home, 1)
     settings = {"hosts": ["127.0.0.1", "localhost"], "rdzv_port": _free_port(), "rendezvous_timeout_s": 120,
                 "collective_timeout_s": COLLECTIVE_TIMEOUT_S}
-    config = {"cycle": 1, "micro_batch_size": 4, "updates_per_step": 2, "lr": 1e-3, "expert_parallel": 2,
-              "launcher": "multinode", "launcher_settings_json": json.dumps(settings),
-              "mlflow_tracking_uri": tracking.sqlite_uri(perpetua_home / "mlflow" / "mlflow.db")}
-    with dg.instance_for_test() as instance:
-        result = dg.materialize([policy_checkpoint], instance=instance,
-                                run_config={"ops": {"policy_checkpoint": {"config": config}}},
-                                resources={"pipes_subprocess_client": dg.PipesSubprocessClient(),
-                                           "lineage": PolicyLineage(continue_from="latest")})
-    assert result.success
-    (mat,) = result.asset_materializations_for_node("policy_checkpoint")
-    md = {k: v.value for k, v in mat.metadata.items()}
+    md, mat = materialize_step(perpetua_home, 1, expert_parallel=2, launcher="multinode",
+                               launcher_settings_json=json.dumps(settings))
     assert (md["policy_version"], md["world_size"], md["expert_parallel"], md["updates_this_step"]) == (1, 2, 2, 2)
     assert mat.tags.get("dagster/data_version")
     jobs = perpetua_home / "models" / "learner" / "jobs"

@@ -109,13 +109,7 @@ def test_policy_checkpoint_through_the_persistent_learner(perpetua_home):
     """The asset with `launcher: persistent`: two cycles' steps on one service (started by the
     first, reused by the second), each materialization back through Pipes from the service's rank
     0, and the service's CPU time in the stage's cost."""
-    from test_policy_checkpoint_asset import make_base_policy, write_cycle
-
-    import dagster as dg
-
-    from assets.policy_checkpoint import policy_checkpoint
-    from assets.resources import PolicyLineage
-    from ops.common import tracking
+    from test_policy_checkpoint_asset import make_base_policy, materialize_step, write_cycle
 
     h = Home(perpetua_home)
     make_base_policy(perpetua_home)
@@ -123,16 +117,7 @@ def test_policy_checkpoint_through_the_persistent_learner(perpetua_home):
     try:
         for cycle in (1, 2):
             write_cycle(perpetua_home, cycle)
-            config = {"cycle": cycle, "micro_batch_size": 4, "updates_per_step": 2, "lr": 1e-3, "launcher": "persistent",
-                      "mlflow_tracking_uri": tracking.sqlite_uri(perpetua_home / "mlflow" / "mlflow.db")}
-            with dg.instance_for_test() as instance:
-                result = dg.materialize([policy_checkpoint], instance=instance,
-                                        run_config={"ops": {"policy_checkpoint": {"config": config}}},
-                                        resources={"pipes_subprocess_client": dg.PipesSubprocessClient(),
-                                                   "lineage": PolicyLineage(continue_from="latest")})
-            assert result.success
-            (mat,) = result.asset_materializations_for_node("policy_checkpoint")
-            mats.append({k: v.value for k, v in mat.metadata.items()})
+            mats.append(materialize_step(perpetua_home, cycle, launcher="persistent")[0])
             pids.append(service.status(h).pid)
     finally:
         service.stop(h)

@@ -40,6 +40,25 @@ def write_cycle(home: Path, cycle: int) -> None:
     write_table(rw, REWARDS, rewards_path(home / "data", cycle))
 
 
+def materialize_step(home: Path, cycle: int, continue_from: str = "latest", **config) -> tuple[dict, object]:
+    """One `policy_checkpoint` materialization of `cycle` in a fresh test instance, with small
+    learner settings and `config` on top: (its metadata values, the materialization)."""
+    from assets.policy_checkpoint import policy_checkpoint
+    from assets.resources import PolicyLineage
+    from ops.common import tracking
+
+    run_config = {"ops": {"policy_checkpoint": {"config": {
+        "cycle": cycle, "micro_batch_size": 4, "updates_per_step": 2, "lr": 1e-3,
+        "mlflow_tracking_uri": tracking.sqlite_uri(home / "mlflow" / "mlflow.db"), **config}}}}
+    with dg.instance_for_test() as instance:
+        result = dg.materialize([policy_checkpoint], instance=instance, run_config=run_config,
+                                resources={"pipes_subprocess_client": dg.PipesSubprocessClient(),
+                                           "lineage": PolicyLineage(continue_from=continue_from)})
+    assert result.success
+    (mat,) = result.asset_materializations_for_node("policy_checkpoint")
+    return {k: v.value for k, v in mat.metadata.items()}, mat
+
+
 def test_policy_checkpoint_materializes_through_pipes(perpetua_home):
     from assets.policy_checkpoint import policy_checkpoint
     from assets.resources import PolicyLineage
