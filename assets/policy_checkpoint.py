@@ -1,11 +1,13 @@
 """`policy_checkpoint`: one learner step on the cycle's verified batch: from the policy the cycle
 builds on (the deployed champion by default, `PolicyLineage`) to the next version number.
 
-The learner runs in its own process group, launched through Dagster Pipes by the configured
-launcher (ops/learn/launch.py): by default on this machine as
+The learner runs in its own process group, reached through Dagster Pipes by the configured
+launcher (ops/learn/launch.py): by default this home's persistent learner (ops/learn/service.py:
+a `torchrun --nproc_per_node N` world that stays up between cycles, so a step costs its compute
+and not a process start), or once per step as
 `python -m torch.distributed.run --standalone --nproc_per_node N -m ops.learn.main --config JOB`
 (gloo on CPU, NCCL on GPU; `--standalone` picks a free rendezvous port so two runs cannot
-collide), else torchrun on several hosts or the learner's Kubernetes Job. Only global rank 0
+collide), or torchrun on several hosts, or the learner's Kubernetes Job. Only global rank 0
 talks to Dagster: it reports the one materialization (new policy version, checkpoint path, key
 metrics) that this asset returns. Per-update metrics go to MLflow from rank 0
 while the step runs, into a run this asset opens (nested under the cycle's run when its id is
@@ -39,9 +41,9 @@ class PolicyCheckpointConfig(dg.Config):
                               "cycle tag, else the latest verified_rewards materialization, else the newest stored.")
     nproc_per_node: int = Field(default=1, description="Learner ranks per node (torchrun --nproc_per_node).")
     expert_parallel: int = Field(default=1, description="Expert-parallel size; must divide the ranks of all nodes.")
-    launcher: str = Field(default="local", description="How the learner step is launched (ops/learn/launch.py): "
-                          "`local` (torchrun --standalone on this machine), `persistent` (this home's learner "
-                          "service: a torchrun world on this machine that stays up between steps), `multinode` (torchrun on each host of "
+    launcher: str = Field(default="persistent", description="How the learner step is launched (ops/learn/launch.py): "
+                          "`persistent` (this home's learner service: a torchrun world on this machine that stays up "
+                          "between steps), `local` (torchrun --standalone on this machine, once per step), `multinode` (torchrun on each host of "
                           "the settings' `hosts`, the c10d rendezvous on the first) or `kubernetes` (the learner's "
                           "indexed Job, as `perpetua cluster render` renders it).")
     launcher_settings_json: str = Field(default="{}", description="The launcher's settings as a JSON object: for "

@@ -64,9 +64,9 @@ def _free_port() -> int:
 LEARNER_RUN_CONFIG = "perpetua_cycle:\n  ops:\n    policy_checkpoint: {{config: {{launcher: {launcher}}}}}\n"
 
 
-def run_demo(h: Path, cycles: int, base: Path | None, log=print, launcher: str = "local") -> tuple[dict, TreeMemory, float]:
-    """The demo in home `h`, its learner steps through `launcher` (ops/learn/launch.py): its
-    summary, its process tree's memory and its wall seconds."""
+def run_demo(h: Path, cycles: int, base: Path | None, log=print, launcher: str | None = None) -> tuple[dict, TreeMemory, float]:
+    """The demo in home `h`, its learner steps through `launcher` (ops/learn/launch.py; None: the
+    default): its summary, its process tree's memory and its wall seconds."""
     (h / "models").mkdir(parents=True)
     if base is not None:
         shutil.copytree(base, h / "models" / "base")
@@ -76,7 +76,7 @@ def run_demo(h: Path, cycles: int, base: Path | None, log=print, launcher: str =
         env.pop(k, None)
     command = [sys.executable, "-m", "pipelines.cli", "demo", "--cycles", str(cycles), "--summary", str(summary_path),
                "--no-automation"]
-    if launcher != "local":
+    if launcher is not None:
         (h / "learner.yaml").write_text(LEARNER_RUN_CONFIG.format(launcher=launcher))
         command += ["--run-config", str(h / "learner.yaml")]
     log(f"bench cycle: {cycles} demo cycles in {h} (log {h / 'demo.log'})")
@@ -111,12 +111,12 @@ def read_breakdowns(h: Path, rows: list[dict]) -> list[dict]:
     return out
 
 
-def run_bench(cycles: int = 3, base: Path | None = None, log=print, launcher: str = "local") -> dict:
-    """`launcher`: how the cycles' learner steps run (`local`: a torchrun per step, the default;
-    `persistent`: the learner service that stays up between cycles)."""
+def run_bench(cycles: int = 3, base: Path | None = None, log=print, launcher: str | None = None) -> dict:
+    """`launcher`: how the cycles' learner steps run (`persistent`: the learner service that stays
+    up between cycles, the default; `local`: a torchrun per step)."""
     if cycles < 1:
         raise ValueError("--cycles must be at least 1")
-    if launcher not in ("local", "persistent"):
+    if launcher not in (None, "local", "persistent"):
         raise ValueError(f"--learner must be local or persistent, not {launcher!r}")
     if base is not None and not (base / "hf" / "config.json").exists():
         raise ValueError(f"--base {base}: not a base policy directory (no hf/config.json; use a home's models/base)")
@@ -150,7 +150,7 @@ def run_bench(cycles: int = 3, base: Path | None = None, log=print, launcher: st
         "per_cycle": per_cycle,
         "demo_wall_s": round(demo_wall, 1),
         "base_policy": str(base) if base is not None else "bootstrapped",
-        "learner_launcher": launcher,
+        "learner_launcher": launcher or "persistent",
         "machine": {"cpu_count": os.cpu_count(), "gpus": gpus, "gpu_type": gpu_type},
         "memory_samples": memory.samples,
     }

@@ -75,6 +75,32 @@ def repository_tree_stays_clean():
                     f"(and delete these).", pytrace=False)
 
 
+def _learner_services() -> set[int]:
+    """Pids of running persistent learners (their torchrun agents, the process group leaders)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"torch.distributed.run" in argv and b"ops.learn.service" in argv:
+                found.add(int(entry.name))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_learner_service_outlives_its_test():
+    """A cycle run by a test starts its home's persistent learner, which outlives the run by design
+    (`perpetua stop` or the demo ends it); the test's home is gone after the test, so is its learner."""
+    before = _learner_services()
+    yield
+    from ops.serving.supervisor import kill_group
+
+    for pid in _learner_services() - before:
+        kill_group(pid, grace_s=5.0)
+
+
 @pytest.fixture
 def perpetua_home(tmp_path, monkeypatch) -> Path:
     home = tmp_path / "perpetua-home"

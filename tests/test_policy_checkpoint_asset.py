@@ -1,7 +1,7 @@
 """The `policy_checkpoint` asset in a real Dagster instance: it launches the learner through
-Dagster Pipes under torchrun (2 ranks, expert parallel 2), gets one materialization back from
-rank 0 with the new policy version, and the per-update metrics land in a real SQLite MLflow
-store. A second cycle continues from the learner's checkpoint (version 2)."""
+Dagster Pipes under a torchrun of its own (`launcher: local`; 2 ranks, expert parallel 2), gets
+one materialization back from rank 0 with the new policy version, and the per-update metrics
+land in a real SQLite MLflow store. A second cycle continues from the learner's checkpoint (version 2)."""
 
 from __future__ import annotations
 
@@ -72,9 +72,10 @@ def test_policy_checkpoint_materializes_through_pipes(perpetua_home):
     assert uri.startswith("sqlite:////")
 
     def materialize(cycle: int, continue_from: str = "latest", **config):
+        # A torchrun per step; the default, the persistent learner, is tests/test_learner_service.py's.
         run_config = {"ops": {"policy_checkpoint": {"config": {
             "cycle": cycle, "micro_batch_size": 4, "updates_per_step": 2, "lr": 1e-3, "mlflow_tracking_uri": uri,
-            **config}}}}
+            "launcher": "local", **config}}}}
         result = dg.materialize([policy_checkpoint], instance=instance, run_config=run_config,
                                 resources={"pipes_subprocess_client": dg.PipesSubprocessClient(),
                                            "lineage": PolicyLineage(continue_from=continue_from)})

@@ -13,10 +13,15 @@ in production), a point costs one environment lookup.
 With PERPETUA_FAULT_ONCE naming a file as well, only the first process to reach the point dies
 (it creates the file); the processes after it pass. That is how a test kills a Dagster run
 worker once and lets the run retry that follows it, which inherits the same environment, live.
+
+Work a run hands to a long-lived process (the persistent learner, ops/learn/service.py) does not
+inherit the run's environment: the run sends `carried()` with the request and that process arms
+them for the request's duration (`armed`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -50,3 +55,27 @@ def point(name: str) -> None:
         except FileExistsError:
             return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def carried() -> dict[str, str]:
+    """This process's fault variables, for a long-lived process that does part of its work."""
+    return {k: os.environ[k] for k in (ENV, ONCE_ENV) if k in os.environ}
+
+
+@contextlib.contextmanager
+def armed(variables: dict[str, str]):
+    """The fault variables of a request (`carried()` by the caller) set for the block, the
+    process's own restored after."""
+    variables = {k: v for k, v in variables.items() if k in (ENV, ONCE_ENV)}
+    saved = {k: os.environ.get(k) for k in (ENV, ONCE_ENV)}
+    for k in (ENV, ONCE_ENV):
+        os.environ.pop(k, None)
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -3,9 +3,9 @@
 the policy_checkpoint asset picks a backend by configuration and every caller builds the same
 command lines:
 
-- `LocalTorchrun`: `torchrun --standalone --nproc_per_node N` on this machine (the default);
-- `PersistentLearner`: the step handed to this home's learner service, a torchrun world on this
-  machine that stays up between steps (ops/learn/service.py);
+- `PersistentLearner` (the default): the step handed to this home's learner service, a torchrun
+  world on this machine that stays up between steps (ops/learn/service.py);
+- `LocalTorchrun`: `torchrun --standalone --nproc_per_node N` on this machine, once per step;
 - `MultiNodeTorchrun`: one node's launcher of a multi-node step (`torchrun --nnodes N
   --rdzv-backend c10d ...`), one such process per node, all on the same job file;
 - `TorchrunNodes`: every node of a multi-node step started from here, a `MultiNodeTorchrun` per
@@ -391,6 +391,7 @@ class PersistentLearner(BaseModel, Launcher):
     def run(self, job_path: Path, env: Mapping[str, str]) -> float | None:
         import json
 
+        from ops.common import faults
         from ops.common.paths import home
         from ops.learn import service
 
@@ -398,7 +399,7 @@ class PersistentLearner(BaseModel, Launcher):
         try:
             server = service.start(home(), nproc_per_node=self.nproc_per_node, expert_parallel=expert_parallel,
                                    timeout_s=self.start_timeout_s)
-            reply = service.step(server, Path(job_path), dict(env), timeout_s=self.step_timeout_s)
+            reply = service.step(server, Path(job_path), {**env, **faults.carried()}, timeout_s=self.step_timeout_s)
         except service.LearnerServiceError as e:
             raise LaunchError(str(e)) from None
         if reply.exit_code != 0:

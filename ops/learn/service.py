@@ -10,7 +10,8 @@ rank starts once:
 
 and rank 0 serves HTTP on 127.0.0.1:P, every path but /health asking for the home's API key
 (ops/serving/api_key.py) as a bearer token: `GET /health`, `POST /step` with
-`{"job": PATH, "env": {...}}`. Rank 0 broadcasts the step to the other ranks; every rank runs
+`{"job": PATH, "env": {...}}` (Dagster Pipes' bootstrap variables, and the caller's fault-point
+variables, ops/common/faults.py). Rank 0 broadcasts the step to the other ranks; every rank runs
 what `ops.learn.main` runs for the job (`run_and_report`, the RNG seeded as a fresh process
 seeds it); rank 0 reports to Dagster Pipes through the request's bootstrap variables and answers
 with the exit code and the step's CPU seconds summed over the ranks (they are not the caller's
@@ -214,9 +215,12 @@ def _run_step(request: dict, rank: int, expert_parallel: int) -> tuple[int, str,
     from ops.learn.main import pipes_session, report_user_error, run_and_report, user_errors
     from ops.policy.model import seed_everything
 
+    from ops.common import faults
+
     cpu0, errors = _cpu_seconds(), user_errors()
     code, error = 0, ""
-    with pipes_session(rank, request.get("env") or {}) as pipes:
+    env = request.get("env") or {}
+    with faults.armed(env), pipes_session(rank, env) as pipes:
         try:
             job = LearnerJob.model_validate_json(Path(request["job"]).read_text())
             if job.learner.expert_parallel != expert_parallel:

@@ -29,9 +29,9 @@ def add_arguments(p) -> None:
                    help="learning: cycles per configuration; cycle: cycles of the demo (default 3)")
     p.add_argument("--base", type=Path, metavar="DIR",
                    help="cycle only: copy this base policy (a home's models/base) instead of bootstrapping one")
-    p.add_argument("--learner", choices=["local", "persistent"], default="local",
-                   help="cycle only: the learner launcher of the demo's cycles (local: a torchrun per step; "
-                        "persistent: the learner service kept up between cycles)")
+    p.add_argument("--learner", choices=["local", "persistent"],
+                   help="cycle only: the learner launcher of the demo's cycles (persistent, the default: the "
+                        "learner service kept up between cycles; local: a torchrun per step)")
     p.add_argument("--only", metavar="NAMES", help="learning only: comma-separated configurations to run (default all)")
     p.add_argument("--hacks", action="store_true",
                    help="verify only: run the reward-hacking suite (every attack must score 0 and be flagged, "
@@ -50,7 +50,7 @@ def run(args) -> int:
         raise UserError(f"benchmark {args.name!r} is not available in this build") from None
     if args.base is not None and args.name != "cycle":
         raise UserError("--base belongs to `perpetua bench cycle`")
-    if args.learner != "local" and args.name != "cycle":
+    if args.learner is not None and args.name != "cycle":
         raise UserError("--learner belongs to `perpetua bench cycle`")
     if args.name == "learning":
         return _learning(module, args)
