@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 from ops.common.paths import Home
@@ -51,6 +52,13 @@ def _outcome(root: Path, step: int) -> tuple[str, list]:
     return file_hash(weights), [{k: u[k] for k in ("loss", "pg_loss", "grad_norm", "entropy")} for u in result["history"]]
 
 
+def _ranks(port: int) -> list[int]:
+    """The service's rank processes (torchrun starts each in a session of its own)."""
+    marker = [b"ops.learn.service", b"--port", str(port).encode()]
+    return [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc")))
+            if all(m in supervisor.cmdline(pid) for m in marker) and b"torch.distributed.run" not in supervisor.cmdline(pid)]
+
+
 def test_persistent_learner_steps_equal_cold_steps_across_a_kill(tmp_path, monkeypatch, capsys):
     from learner_data import synthetic_tables
 
@@ -78,8 +86,14 @@ def test_persistent_learner_steps_equal_cold_steps_across_a_kill(tmp_path, monke
         assert service.start(h, nproc_per_node=2, expert_parallel=2).pid == first.pid
 
         # Killed between cycles: the next step starts a new service, which resumes from the checkpoint.
-        supervisor.kill_group(first.pid, grace_s=0.0)
+        first_ranks = _ranks(first.port)
+        assert len(first_ranks) == 2
+        supervisor.kill_group(first.pid, grace_s=0.0)  # the launcher dies at once; its ranks follow it
         assert service.status(h) is None
+        deadline = time.monotonic() + 15
+        while any(supervisor.alive(pid) for pid in first_ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(supervisor.alive(pid) for pid in first_ranks), "ranks outlived their launcher"
         second = service.start(h, nproc_per_node=2, expert_parallel=2)
         assert second.pid != first.pid and not second.reused
         reply = service.step(second, _job(warm, base, data, 3), api_key=key)
@@ -101,7 +115,7 @@ def test_persistent_learner_steps_equal_cold_steps_across_a_kill(tmp_path, monke
         assert json.loads(capsys.readouterr().out)["learner"] is True
     finally:
         service.stop(h)
-    assert service.status(h) is None and not supervisor.alive(second.pid)
+    assert service.status(h) is None and not supervisor.alive(second.pid) and not _ranks(second.port)
     assert "learner service: world 2, expert parallel 2" in service.log_file(h).read_text()
 
 

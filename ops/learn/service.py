@@ -23,7 +23,7 @@ which resumes bit-exactly. (Keeping the model and optimizer in memory between st
 the checkpoint load too: 0.1 s for the embedded policy, more at cluster scale; not done.)
 
 While idle, rank 0 broadcasts a heartbeat every few seconds, so the other ranks' pending
-collective never times out. A step that fails on the job's fault (bad job, bad batch) is
+collective never times out; every rank exits when its torchrun launcher is gone. A step that fails on the job's fault (bad job, bad batch) is
 answered with exit code 2 and the service serves on; any other failure is answered with exit
 code 1 and the service exits (its ranks may disagree about where they are), to be started
 afresh by the next step.
@@ -32,6 +32,7 @@ afresh by the next step.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import queue
@@ -238,14 +239,29 @@ def _run_step(request: dict, rank: int, expert_parallel: int) -> tuple[int, str,
     return code, error, float(sum(spent))
 
 
+def _leave_with_launcher() -> None:
+    """torchrun starts each rank in a session of its own, so a launcher killed outright (SIGKILL:
+    no chance to stop its ranks) would leave them serving, rank 0 heartbeating rank 1 for ever:
+    every rank exits once its launcher is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
 def serve(port: int, expert_parallel: int) -> int:
     """Every rank: join the world once, then run the steps rank 0 receives, until stopped."""
+    _leave_with_launcher()
     from ops.common.quiet import quiet_known_warnings
 
     quiet_known_warnings()  # before megatron-core is imported
     import torch.distributed as dist
 
-    import ops.learn.job  # noqa: F401  # the imports a cold step pays for, paid once
+    importlib.import_module("ops.learn.job")  # the imports a cold step pays for (megatron-core, ...), paid once
     from ops.learn.world import init_world
 
     init_world(expert_parallel, 0)
