@@ -45,12 +45,12 @@ class RolloutsConfig(dg.Config):
     seed: int = 0
 
 
-def _log_rollout_run(context, mlflow: MlflowTracking, cycle: int, version: int, engine, rollouts: int) -> str:
+def _log_rollout_run(context, mlflow: MlflowTracking, cycle: int, version: int, engine, pool: dict,
+                     rollouts: int) -> str:
     """The `rollout` stage run under the cycle's MLflow run: the server pool the rollouts came from
-    (servers, fail-overs, the servers that died, the engine's restarts), so a lost server shows
+    (`pool`: servers, fail-overs, the servers that died; the engine's restarts), so a lost server shows
     in the cycle's record, not only in a log."""
     uri = mlflow.uri()
-    pool = engine.pool_record()
     with tracking.stage_run(uri, cycle_run_id(context, uri, mlflow.experiment, cycle), "rollout",
                             tags=tracking.dagster_tags(context.run.run_id, "rollouts"),
                             params={"policy_version_in": version, "servers": len(pool["servers"])}) as log:
@@ -123,7 +123,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_
         context.log.warning(f"vLLM server {failure['url']} was taken out of the pool ({failure['error']}); its "
                             f"{failure['in_flight']} request(s) in flight were sent to the other servers")
     table = write_table(rollouts_table(batch.rows), ROLLOUTS, rollouts_path(data, cycle))
-    run_id = _log_rollout_run(context, mlflow, cycle, version, engine, len(batch.rows))
+    run_id = _log_rollout_run(context, mlflow, cycle, version, engine, servers, len(batch.rows))
     policy_rows = [r for r in batch.rows if r["source"] == "policy"]
     faults.stage_done("rollouts")
     return dg.MaterializeResult(

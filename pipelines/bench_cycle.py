@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 
 from ops.bench.cycle import STAGES, combine
 from ops.bench.memory import TreeMemory
+from ops.serving.supervisor import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENGINE_KINDS = {"vllm", "learner"}
@@ -55,12 +55,6 @@ def process_kind(argv: list[str]) -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 LEARNER_RUN_CONFIG = "perpetua_cycle:\n  ops:\n    policy_checkpoint: {{config: {{launcher: {launcher}}}}}\n"
 
 
@@ -71,7 +65,7 @@ def run_demo(h: Path, cycles: int, base: Path | None, log=print, launcher: str |
     if base is not None:
         shutil.copytree(base, h / "models" / "base")
     summary_path = h / "demo-summary.json"
-    env = {**os.environ, "PERPETUA_HOME": str(h), **{k: str(_free_port()) for k in PORT_ENV}}
+    env = {**os.environ, "PERPETUA_HOME": str(h), **{k: str(free_port()) for k in PORT_ENV}}
     for k in ("MLFLOW_TRACKING_URI", "DAGSTER_HOME"):
         env.pop(k, None)
     command = [sys.executable, "-m", "pipelines.cli", "demo", "--cycles", str(cycles), "--summary", str(summary_path),

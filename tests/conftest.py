@@ -77,16 +77,10 @@ def repository_tree_stays_clean():
 
 def _learner_services() -> set[int]:
     """Pids of running persistent learners (their torchrun agents, the process group leaders)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"torch.distributed.run" in argv and b"ops.learn.service" in argv:
-                found.add(int(entry.name))
-    return found
+    from ops.serving.supervisor import cmdline
+
+    pids = (int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit())
+    return {pid for pid in pids if {b"torch.distributed.run", b"ops.learn.service"} <= set(cmdline(pid))}
 
 
 @pytest.fixture(autouse=True)

@@ -32,7 +32,7 @@ def two_nodes(job: Path, logs: Path, fault_on_node1: str | None = None) -> list[
     """Both nodes' launchers on loopback; (exit code, seconds until it exited) per node."""
     from ops.common import faults
     from ops.learn.launch import MultiNodeTorchrun
-    from ops.policy.model import _free_port
+    from ops.serving.supervisor import free_port as _free_port
 
     endpoint = f"127.0.0.1:{_free_port()}"
     procs, began = [], time.monotonic()
@@ -73,7 +73,7 @@ def test_two_nodes_match_one_process_and_resume_after_a_node_dies(tmp_path):
     from ops.learn.world import init_world
     from ops.policy.checkpoint import latest_complete
     from ops.policy.hf_convert import load_hf_tensors
-    from ops.policy.model import _free_port
+    from ops.serving.supervisor import free_port as _free_port
 
     base = random_policy(tmp_path / "base", seed=1234)
     ro, rw = synthetic_tables(6, 4, all_equal_groups=1, seed=3)
@@ -138,7 +138,7 @@ def test_policy_checkpoint_reports_through_pipes_from_two_nodes(perpetua_home):
     rendezvous put it on) through the message file beside the job file."""
     from test_policy_checkpoint_asset import make_base_policy, materialize_step, write_cycle
 
-    from ops.policy.model import _free_port
+    from ops.serving.supervisor import free_port as _free_port
 
     make_base_policy(perpetua_home)
     write_cycle(perpetua_home, 1)

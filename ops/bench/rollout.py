@@ -42,7 +42,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import threading
@@ -56,6 +55,7 @@ from ops.policy import tokenizer as tok_lib
 from ops.rollout.episodes import turn_seed
 from ops.rollout.groups import SamplingConfig, generate_groups, sample_seed
 from ops.rollout.vllm_engine import EngineConfig
+from ops.serving import supervisor
 
 SAMPLE_INTERVAL_S = 0.1
 
@@ -273,12 +273,6 @@ def _side(what: str, runs: list[dict], tokens: list[int], episodes: list[int]) -
     }  # fmt: skip
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _default_policy(work: Path) -> Path:
     from ops.common.paths import home
 
@@ -380,7 +374,7 @@ def run_bench(
         model_dir = Path(model_dir or (server.model_dir if server else _default_policy(work)))
         reused = server is not None
         if server is None:
-            h, port = Home(work / "home").ensure(), _free_port()
+            h, port = Home(work / "home").ensure(), supervisor.free_port()
             server = vllm_server.start(model_dir, engine_config, port=port, h=h,
                                        policy_version=_policy_version(model_dir))
             api_key = home_key(h.root)

@@ -106,8 +106,13 @@ class LocalTorchrun(_Process):
         return self.nproc_per_node
 
     def command(self, job_path: Path) -> list[str]:
+        return self.torchrun([*ENTRY, str(job_path)])
+
+    def torchrun(self, entry: list[str]) -> list[str]:
+        """This launcher's torchrun command line on `entry` (a module and its arguments; the
+        persistent learner runs its own module under the same command)."""
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                str(self.nproc_per_node), *ENTRY, str(job_path)]
+                str(self.nproc_per_node), *entry]
 
 
 class MultiNodeTorchrun(_Process):
@@ -389,13 +394,12 @@ class PersistentLearner(BaseModel, Launcher):
         return self.nproc_per_node
 
     def run(self, job_path: Path, env: Mapping[str, str]) -> float | None:
-        import json
-
         from ops.common import faults
         from ops.common.paths import home
         from ops.learn import service
+        from ops.learn.config import LearnerJob
 
-        expert_parallel = int(json.loads(Path(job_path).read_text())["learner"].get("expert_parallel", 1))
+        expert_parallel = LearnerJob.model_validate_json(Path(job_path).read_text()).learner.expert_parallel
         try:
             server = service.start(home(), nproc_per_node=self.nproc_per_node, expert_parallel=expert_parallel,
                                    timeout_s=self.start_timeout_s)

@@ -103,21 +103,19 @@ def status(h: Home) -> LearnerService | None:
 def start(h: Home, *, nproc_per_node: int = 1, expert_parallel: int = 1, timeout_s: float = 300.0) -> LearnerService:
     """The running service of this home when its world has this shape, else a new one (a service
     of another shape is stopped first)."""
-    from ops.learn.launch import REPO_ROOT, launch_pythonpath
-    from ops.policy.model import _free_port
+    from ops.learn.launch import REPO_ROOT, LocalTorchrun
 
     running = status(h)
     if running is not None and (running.nproc_per_node, running.expert_parallel) == (nproc_per_node, expert_parallel):
         return running
     if running is not None:
         stop(h)
-    port = _free_port()
+    port = supervisor.free_port()
 
     def launch() -> supervisor.Launch:
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc_per_node),
-                "-m", "ops.learn.service", "--port", str(port), "--expert-parallel", str(expert_parallel)]
-        env = {**os.environ, "PERPETUA_HOME": str(h.root), "PYTHONPATH": launch_pythonpath()}
-        return supervisor.Launch(argv, REPO_ROOT, env)
+        torchrun = LocalTorchrun(nproc_per_node=nproc_per_node)
+        argv = torchrun.torchrun(["-m", "ops.learn.service", "--port", str(port), "--expert-parallel", str(expert_parallel)])
+        return supervisor.Launch(argv, REPO_ROOT, {**os.environ, "PERPETUA_HOME": str(h.root), **torchrun.env()})
 
     def ready(pid: int, url: str, _seconds: float) -> LearnerService:
         return LearnerService(url, pid, port, nproc_per_node, expert_parallel, str(log_file(h)))

@@ -23,9 +23,9 @@ def init_world(expert_parallel: int, seed: int) -> None:
         import torch.distributed as dist
 
         if not dist.is_initialized():  # a stray MASTER_PORT (e.g. a parent's) must not be reused
-            from ops.policy.model import _free_port
+            from ops.serving.supervisor import free_port
 
-            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(_free_port())
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
         init_single_process(seed)
 
 

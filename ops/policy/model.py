@@ -126,12 +126,14 @@ def init_single_process(seed: int = 0) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    from ops.serving.supervisor import free_port
+
     megatron_cpu.apply()
     if not dist.is_initialized():
         # An explicit address, not MASTER_ADDR/MASTER_PORT: those would be inherited by child
         # processes (a `perpetua parity` run from a test) and collide with this store's port.
         backend = "nccl" if megatron_cpu.cuda_available() else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
     seed_everything(seed)
@@ -165,14 +167,6 @@ def seed_everything(seed: int) -> None:
         from megatron.core import tensor_parallel
 
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_model(cfg: PolicyConfig, precision: Precision = "fp32", expert_parallel: int = 1, seed: int = 0):

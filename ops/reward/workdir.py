@@ -25,6 +25,8 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+from ops.serving.supervisor import alive
+
 PREFIX = "perpetua-sandbox-"
 _MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
@@ -46,8 +48,7 @@ def mount_tmpfs(path: Path, size_bytes: int) -> bool:
     if os.geteuid() != 0:
         return False
     options = f"size={int(size_bytes)},mode=0700".encode()
-    ok = _libc().mount(b"tmpfs", str(path).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) == 0
-    return ok
+    return _libc().mount(b"tmpfs", str(path).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) == 0
 
 
 def unmount(path: Path) -> None:
@@ -86,22 +87,12 @@ def sweep_stale(root: Path | None = None) -> list[Path]:
     swept = []
     for path in mounted_tmpfs(root):
         pid = owner_pid(path)
-        if pid is None or pid == os.getpid() or _alive(pid):
+        if pid is None or pid == os.getpid() or alive(pid):
             continue
         unmount(path)
         shutil.rmtree(path, ignore_errors=True)
         swept.append(path)
     return swept
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @lru_cache(maxsize=None)
