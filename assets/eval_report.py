@@ -28,7 +28,7 @@ from ops.evaluate.gate import GateConfig, decide
 from ops.evaluate.sets import EvalConfig, EvalSets, PolicyEval, eval_sets, evaluate_policy
 from ops.policy import versions as policies
 from ops.policy.tokenizer import load_hf_tokenizer
-from ops.reward.scoring import rewards_path, rollouts_path
+from ops.reward.scoring import rewards_path, rollouts_path, stored_iterations
 from ops.envs import Environment
 from ops.envs.home import home_environment, stage_code_version
 from ops.tasks.task_world import Task
@@ -197,12 +197,13 @@ def _log_eval(context, uri: str, parent: str, cycle: int, report: dict, sets: Ev
         for who, ev in (("candidate", cand), ("champion", champ)):
             log.log_metrics({f"{who}.{s}.pass_at_1": v.pass_at_1 for s, v in ev.scores.items()}, step=cycle)
         log.log_dict(report, f"eval/cycle-{cycle}.json")
-        for table, schema in ((rollouts_path, ROLLOUTS), (rewards_path, REWARDS)):
-            path_t = table(data, cycle)
-            if path_t.exists():
-                t = read_table(path_t, schema)
-                log.log_dataset(t.to_pandas(), path_t, name=f"{schema.metadata[b'perpetua.table'].decode()}-cycle{cycle}",
-                                context="training", digest=table_hash(t))
+        for it in stored_iterations(data, cycle) or [1]:  # every on-policy iteration's tables
+            for table, schema in ((rollouts_path, ROLLOUTS), (rewards_path, REWARDS)):
+                path_t = table(data, cycle, it)
+                if path_t.exists():
+                    t = read_table(path_t, schema)
+                    name = f"{schema.metadata[b'perpetua.table'].decode()}-cycle{cycle}" + (f"-iteration{it}" if it > 1 else "")
+                    log.log_dataset(t.to_pandas(), path_t, name=name, context="training", digest=table_hash(t))
         model_id = log.log_checkpoint(
             f"policy-v{cand.policy_version}", step=cycle, params={"policy_version": cand.policy_version, "cycle": cycle},
             metrics={f"{s}.pass_at_1": v.pass_at_1 for s, v in cand.scores.items()},

@@ -17,6 +17,7 @@ PERPETUA_HOME/models/policy/vNNNN/hf; the base policy (v0) is read from models/b
 
 # No `from __future__ import annotations`: Dagster reads the config annotation at decoration time.
 import json
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -25,9 +26,12 @@ from pydantic import Field
 from assets.cycle import cycle_of
 from assets.cycle_run import cycle_run_id
 from assets.metering import cost_metadata, metered
-from assets.resources import PolicyLineage
+from assets.resources import MlflowTracking, PolicyLineage, PolicyServer
+from assets.rollouts import RolloutsConfig, sample_iteration
+from assets.verified_rewards import BLOCKING_CHECKS, score_iteration
 
 from ops.common import faults
+from ops.common.lineage import CONTINUES_FROM
 from ops.common.paths import home
 from ops.envs.home import stage_code_version
 
@@ -50,6 +54,11 @@ class PolicyCheckpointConfig(dg.Config):
                                         "multinode the fields of ops.learn.launch.TorchrunNodes (`hosts`, `rdzv_port`, "
                                         "`collective_timeout_s`, ...), for kubernetes those of KubernetesJob with "
                                         "`cluster_config` (the cluster YAML/JSON file) instead of `cluster`.")
+    iterations: int = Field(default=1, ge=1, description="On-policy iterations in the cycle: after the step on the "
+                            "cycle's rollouts, this many - 1 more rounds of rollouts by the newest weights (the "
+                            "`rollouts` asset's settings), their verification (the `verified_rewards` asset's, with its "
+                            "blocking checks) and a step on them, before eval; each round's tables are kept as "
+                            "cycle=N.iteration=K.parquet beside the cycle's.")
     micro_batch_size: int = Field(default=8, description="Sequences per forward/backward per rank.")
     updates_per_step: int = Field(default=4, description="Optimizer updates over the batch in this step.")
     lr: float = Field(default=5e-4, description="AdamW learning rate (5e-4 x 4 updates; 1e-3 x 4 regresses the "
@@ -119,12 +128,12 @@ def _run_learner(context, pipes_subprocess_client, launcher, job_path: Path, hom
     return dg.PipesClientCompletedInvocation(session)
 
 
-def _mlflow_run(context, config: PolicyCheckpointConfig, cycle: int, learner_cfg) -> tuple[str, str]:
+def _mlflow_run(context, config: PolicyCheckpointConfig, cycle: int, learner_cfg, iteration: int = 1) -> tuple[str, str]:
     from ops.common import tracking
 
     uri = tracking.tracking_uri(config.mlflow_tracking_uri)
     tags = tracking.dagster_tags(context.run.run_id, "policy_checkpoint") | {tracking.TAG_CYCLE: str(cycle)}
-    params = {"learner": json.loads(learner_cfg.model_dump_json()), "cycle": cycle}
+    params = {"learner": json.loads(learner_cfg.model_dump_json()), "cycle": cycle, "iteration": iteration}
     parent = config.mlflow_parent_run_id or cycle_run_id(context, uri, config.mlflow_experiment, cycle)
     c = tracking.client(uri)
     if parent:
@@ -152,14 +161,15 @@ def policy_checkpoint(
     config: PolicyCheckpointConfig,
     pipes_subprocess_client: dg.PipesSubprocessClient,
     lineage: PolicyLineage,
+    trainer_server: PolicyServer,
+    mlflow: MlflowTracking,
 ) -> dg.MaterializeResult:
     """The next policy version: a GRPO-family step of the megatron-core MoE policy on the cycle's
     rollouts and verified rewards (expert parallel under torchrun), checkpointed with optimizer
-    state and exported in HF format for vLLM. Metadata: policy version, checkpoint path, loss,
-    train/inference mismatch, entropy, router balance, throughput."""
-    from ops.common import tracking
-    from ops.policy.checkpoint import latest_complete
-    from ops.learn.config import LearnerJob
+    state and exported in HF format for vLLM; with `iterations` > 1, more on-policy rounds
+    (rollouts by the newest weights, verification, step) before the cycle's candidate is final.
+    Metadata: policy version, checkpoint path, loss, train/inference mismatch, entropy, router
+    balance, throughput; per iteration its tables, versions and counts."""
     from ops.reward.scoring import rewards_path, rollouts_path, stored_cycles
     from ops.tasks.training_tasks import current_training_tasks_path, mark_trained
 
@@ -175,41 +185,141 @@ def policy_checkpoint(
     if not (base / "hf" / "config.json").exists():
         raise dg.Failure(f"no base policy at {base / 'hf'}: materialize base_policy first")
     learner_cfg = _learner_config(config, base / "hf")
-    uri, run_id = _mlflow_run(context, config, cycle, learner_cfg)
+    rollouts_config = _rollouts_config(context, cycle) if config.iterations > 1 else None
+    step = _Step(context, config, pipes_subprocess_client, launcher, learner_cfg, h, cycle)
 
-    jobs = h.models / "learner" / "jobs"
-    jobs.mkdir(parents=True, exist_ok=True)
-    job = LearnerJob(
-        learner=learner_cfg,
-        rollouts=[rollouts],
-        rewards=[rewards],
-        init_hf_dir=base / "hf",
-        init_checkpoint=latest_complete(base / "checkpoint"),
-        checkpoint_dir=h.models / "learner",
-        start_version=lineage.start_version(uri) if lineage.continue_from == "champion" else None,
-        export_root=h.models / "policy",
-        result_path=jobs / f"{context.run.run_id}.result.json",
-        mlflow_tracking_uri=uri,
-        mlflow_run_id=run_id,
-        cycle=cycle,
-    )
-    job_path = jobs / f"{context.run.run_id}.json"
-    job_path.write_text(job.model_dump_json(indent=2))
-    try:
-        with metered("learn", cycle) as meter:  # the torchrun processes count as waited-for children
-            result = _run_learner(context, pipes_subprocess_client, launcher, job_path, h.root, meter)
-        materialization = result.get_materialize_result()
-    except BaseException:
-        tracking.end_run(uri, run_id, "FAILED")
-        raise
-    tracking.end_run(uri, run_id, "FINISHED")
+    start = lineage.start_version(step.uri) if lineage.continue_from == "champion" else None
+    md, data_version, meter = step.run(1, rollouts, rewards, start)
+    first = md
+    records = [_iteration_record(1, md, rollouts, rewards)]
+    more = {"wall_s": 0.0, "compute_s": 0.0}
+    for iteration in range(2, config.iterations + 1):
+        began = time.perf_counter()
+        version = int(_value(md["policy_version"]))
+        sampled, _ = sample_iteration(context, rollouts_config, trainer_server, mlflow, cycle, version, iteration)
+        scored, table = score_iteration(context, mlflow, cycle, iteration)
+        _check_rewards(table.select(["isolation", "flagged"]).to_pylist(), cycle, iteration)
+        for key, md_i in (("rollouts", sampled), ("verified_rewards", scored)):
+            context.log_event(dg.AssetObservation(asset_key=key, metadata=_observed(md_i)))
+        paths = rollouts_path(h.data, cycle, iteration), rewards_path(h.data, cycle, iteration)
+        md, data_version, meter = step.run(iteration, *paths, version)
+        records.append(_iteration_record(iteration, md, *paths, sampled, scored))
+        more["wall_s"] += time.perf_counter() - began
+        more["compute_s"] += sum(float(_value(x.get("engine_seconds")) or 0.0) for x in (sampled, scored, md))
+
     # The step is committed: the task set the cycle's rollouts drew from counts as trained on, so
     # the next set is built on it (ops/tasks/training_tasks.py, `trained_path`).
     tasks = current_training_tasks_path()
     if tasks is not None:
         mark_trained(tasks)
     faults.stage_done("policy_checkpoint")
-    return dg.MaterializeResult(
-        metadata={**(materialization.metadata or {}), **cost_metadata(meter), "mlflow_run_id": run_id},
-        data_version=materialization.data_version,
-    )
+    metadata = {**md, **cost_metadata(meter), "mlflow_run_id": step.run_id, "iterations": config.iterations,
+                "iteration_records": dg.MetadataValue.json(records),
+                "cycle_informative_samples": sum(r["informative_samples"] or 0 for r in records),
+                "more_iterations": dg.MetadataValue.json({k: round(v, 3) for k, v in more.items()})}
+    if config.iterations > 1:
+        # The lineage continues from where the cycle's first step started (an earlier
+        # materialization); the later iterations' parents are inside this one.
+        metadata.pop(CONTINUES_FROM, None)
+        if CONTINUES_FROM in first:
+            metadata[CONTINUES_FROM] = first[CONTINUES_FROM]
+        metadata["cycle_start_policy_version"] = first["parent_policy_version"]
+        # the stage's engine compute is every iteration's (ops/bench/cycle.py)
+        metadata["engine_seconds"] = dg.MetadataValue.float(float(records[0]["engine_seconds"]) + more["compute_s"])
+        metadata["cycle_rollouts_after_first"] = sum(r["rollouts"] for r in records[1:])
+    return dg.MaterializeResult(metadata=metadata, data_version=data_version)
+
+
+class _Step:
+    """One learner step of the cycle through the configured launcher and Dagster Pipes, with its
+    own MLflow run (nested under the cycle's) and cost meter."""
+
+    def __init__(self, context, config: PolicyCheckpointConfig, pipes_client, launcher, learner_cfg, h, cycle: int):
+        from ops.common import tracking
+
+        self.context, self.config, self.pipes_client, self.launcher = context, config, pipes_client, launcher
+        self.learner_cfg, self.h, self.cycle = learner_cfg, h, cycle
+        self.uri = tracking.tracking_uri(config.mlflow_tracking_uri)
+        self.run_id: str | None = None
+
+    def run(self, iteration: int, rollouts: Path, rewards: Path, start_version: int | None):
+        """(the step's materialization metadata values, its data version, its meter)."""
+        from ops.common import tracking
+        from ops.learn.config import LearnerJob
+        from ops.policy.checkpoint import latest_complete
+
+        h, context = self.h, self.context
+        _, self.run_id = _mlflow_run(context, self.config, self.cycle, self.learner_cfg, iteration)
+        jobs = h.models / "learner" / "jobs"
+        jobs.mkdir(parents=True, exist_ok=True)
+        name = context.run.run_id if iteration == 1 else f"{context.run.run_id}.iteration-{iteration}"
+        job = LearnerJob(
+            learner=self.learner_cfg,
+            rollouts=[rollouts],
+            rewards=[rewards],
+            init_hf_dir=h.models / "base" / "hf",
+            init_checkpoint=latest_complete(h.models / "base" / "checkpoint"),
+            checkpoint_dir=h.models / "learner",
+            start_version=start_version,
+            export_root=h.models / "policy",
+            result_path=jobs / f"{name}.result.json",
+            mlflow_tracking_uri=self.uri,
+            mlflow_run_id=self.run_id,
+            cycle=self.cycle,
+        )
+        job_path = jobs / f"{name}.json"
+        job_path.write_text(job.model_dump_json(indent=2))
+        try:
+            with metered("learn", self.cycle, iteration=iteration) as meter:  # torchrun processes: waited-for children
+                result = _run_learner(context, self.pipes_client, self.launcher, job_path, h.root, meter)
+            materialization = result.get_materialize_result()
+        except BaseException:
+            tracking.end_run(self.uri, self.run_id, "FAILED")
+            raise
+        tracking.end_run(self.uri, self.run_id, "FINISHED")
+        return dict(materialization.metadata or {}), materialization.data_version, meter
+
+
+def _rollouts_config(context, cycle: int):
+    """The settings the `rollouts` asset sampled this cycle with, so later iterations sample alike."""
+    event = context.instance.get_latest_materialization_event(dg.AssetKey("rollouts"))
+    md = event.asset_materialization.metadata if event is not None and event.asset_materialization else {}
+    if "rollouts_config" not in md or int(md["cycle"].value) != cycle:
+        raise dg.Failure(f"more on-policy iterations need cycle {cycle}'s rollouts settings, recorded by its `rollouts` "
+                         "materialization: materialize rollouts for that cycle first (or set iterations: 1)")
+    return RolloutsConfig(**md["rollouts_config"].value)
+
+
+def _check_rewards(rows: list[dict], cycle: int, iteration: int) -> None:
+    """The verified_rewards asset's blocking checks, on a later iteration's rewards."""
+    for name, check in BLOCKING_CHECKS.items():
+        passed, md = check(rows)
+        if not passed:
+            raise dg.Failure(f"cycle {cycle} iteration {iteration}: check {name} failed: {md['reason']}")
+
+
+def _value(v):
+    return v.value if hasattr(v, "value") else v
+
+
+def _observed(md: dict) -> dict:
+    """What an iteration's table records on its asset's page (an observation, not a materialization:
+    the asset's materialization stays the cycle's first iteration)."""
+    keep = ("cycle", "iteration", "path", "policy_version", "rollouts", "informative_groups", "guided_groups",
+            "rows", "mean_reward", "flagged", "infra_failures", "mlflow_run_id")
+    return {k: md[k] for k in keep if k in md}
+
+
+def _iteration_record(iteration: int, learner: dict, rollouts: Path, rewards: Path, sampled: dict | None = None,
+                      scored: dict | None = None) -> dict:
+    """One on-policy iteration in the learner stage's metadata (read by the audit and the demo)."""
+    record = {"iteration": iteration, "rollouts_path": str(rollouts), "rewards_path": str(rewards),
+              "policy_version_in": _value(learner.get("parent_policy_version")),
+              "policy_version_out": _value(learner.get("policy_version")),
+              "informative_samples": _value(learner.get("informative_samples")),
+              "engine_seconds": _value(learner.get("engine_seconds")) or 0.0,
+              "entropy": _value(learner.get("entropy")), "loss": _value(learner.get("loss"))}
+    if sampled is not None and scored is not None:
+        record |= {"rollouts": _value(sampled["rollouts"]), "informative_groups": _value(sampled["informative_groups"]),
+                   "mean_reward": _value(scored["mean_reward"])}
+    return record

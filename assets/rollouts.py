@@ -25,6 +25,8 @@ from ops.rollout.groups import SamplingConfig, rollouts_table
 from ops.tasks.sampling import NoTrainingTasks, train_tasks
 
 CODE_VERSION = "rollouts-3"
+# Seeds of a cycle's later on-policy iterations: the configured seed plus this times (iteration - 1).
+ITERATION_SEED_STRIDE = 1_000_003
 
 
 class RolloutsConfig(dg.Config):
@@ -46,18 +48,20 @@ class RolloutsConfig(dg.Config):
 
 
 def _log_rollout_run(context, mlflow: MlflowTracking, cycle: int, version: int, engine, pool: dict,
-                     rollouts: int) -> str:
+                     rollouts: int, iteration: int = 1) -> str:
     """The `rollout` stage run under the cycle's MLflow run: the server pool the rollouts came from
     (`pool`: servers, fail-overs, the servers that died; the engine's restarts), so a lost server shows
-    in the cycle's record, not only in a log."""
+    in the cycle's record, not only in a log. One per on-policy iteration of the cycle."""
     uri = mlflow.uri()
+    suffix = "" if iteration == 1 else f"-iteration-{iteration}"
     with tracking.stage_run(uri, cycle_run_id(context, uri, mlflow.experiment, cycle), "rollout",
-                            tags=tracking.dagster_tags(context.run.run_id, "rollouts"),
-                            params={"policy_version_in": version, "servers": len(pool["servers"])}) as log:
+                            tags=tracking.dagster_tags(context.run.run_id, context.asset_key.to_user_string()),
+                            params={"policy_version_in": version, "servers": len(pool["servers"]),
+                                    "iteration": iteration}) as log:
         log.log_metrics({"rollouts": rollouts, "failed_servers": len(pool["failed_servers"]),
                          "failovers": pool["failovers"], "engine_retries": engine.stats.retries,
                          "engine_restarts": engine.stats.restarts}, step=cycle)
-        log.log_dict(pool, f"rollouts/cycle-{cycle}-server-pool.json")
+        log.log_dict(pool, f"rollouts/cycle-{cycle}{suffix}-server-pool.json")
     return log.run_id
 
 
@@ -66,6 +70,92 @@ def dynamic_config(config: RolloutsConfig) -> DynamicSamplingConfig:
         max_tasks=config.max_tasks, min_informative_groups=config.min_informative_groups,
         max_rounds=config.max_rounds, max_groups=config.max_groups, guide_after=config.guide_after,
         curriculum=CurriculumConfig(enabled=config.curriculum, min_weight=config.replay_weight))
+
+
+def sample_iteration(context, config: RolloutsConfig, trainer_server: PolicyServer, mlflow: MlflowTracking,
+                     cycle: int, version: int, iteration: int = 1) -> tuple[dict, object]:
+    """One on-policy iteration's rollouts, by policy `version`: the whole of this asset's work for
+    the first iteration, and what the learner stage calls for a cycle's later ones (the same
+    tasks pool and settings; the curriculum also knows the earlier iterations of the cycle; the
+    seeds differ per iteration). Writes the ROLLOUTS table; returns (metadata, table)."""
+    model_dir = policies.hf_dir(version)
+    data = home().data
+    try:
+        pool = train_tasks()
+    except NoTrainingTasks as e:
+        raise dg.Failure(str(e)) from None
+    dynamic = dynamic_config(config)
+    env = home_environment()
+    max_tokens = env.completion_budget(config.max_tokens)
+    if max_tokens != config.max_tokens and iteration == 1:
+        context.log.info(f"max_tokens {config.max_tokens} raised to {max_tokens}: {env.name}'s solutions need it")
+    sampling = SamplingConfig(group_size=config.group_size, temperature=config.temperature, top_p=config.top_p,
+                              max_tokens=max_tokens, seed=config.seed + ITERATION_SEED_STRIDE * (iteration - 1))
+    history = read_history(data, cycle, dynamic.curriculum.history_cycles, current_iterations=iteration - 1)
+    truth = load_ground_truth(data)
+    try:
+        sandbox = Sandbox()
+    except SandboxUnavailable as e:
+        raise dg.Failure(f"cannot screen rollouts: {e}") from None
+    what = f"cycle {cycle}" + (f" iteration {iteration}" if iteration > 1 else "")
+    with metered("rollout", cycle, trainer_server.server_pids(), iteration=iteration) as meter:
+        engine = trainer_server.engine(model_dir, version)
+        context.log.info(f"{what}: {len(pool)} training tasks, {config.group_size} samples per task, "
+                         f"by policy v{version}; history of cycles {list(history.cycles)}")
+        batch = sample_informative(engine, load_hf_tokenizer(model_dir), pool, history, dynamic, sampling,
+                                   lambda rows: screen_rewards(rows, truth, sandbox=sandbox),
+                                   cycle=cycle, version=version, env=env, log=context.log.info, iteration=iteration)
+        meter.add_tokens(batch.total_tokens)
+    if batch.exhausted:
+        context.log.warning(f"{what}: {batch.informative_groups} informative groups, fewer than the "
+                            f"{dynamic.min_informative_groups} wanted (stopped: {batch.exhausted}); training on what "
+                            "was sampled")
+    servers = engine.pool_record()
+    for failure in servers["failed_servers"]:
+        context.log.warning(f"vLLM server {failure['url']} was taken out of the pool ({failure['error']}); its "
+                            f"{failure['in_flight']} request(s) in flight were sent to the other servers")
+    path = rollouts_path(data, cycle, iteration)
+    table = write_table(rollouts_table(batch.rows), ROLLOUTS, path)
+    run_id = _log_rollout_run(context, mlflow, cycle, version, engine, servers, len(batch.rows), iteration)
+    policy_rows = [r for r in batch.rows if r["source"] == "policy"]
+    metadata = {
+        "cycle": cycle,
+        "iteration": iteration,
+        "mlflow_run_id": run_id,
+        "policy_version": version,
+        "environment": dg.MetadataValue.json(env.identity()),
+        "rollouts": len(batch.rows),
+        "policy_rollouts": len(policy_rows),
+        "reference_rollouts": len(batch.rows) - len(policy_rows),
+        "groups": batch.groups,
+        "informative_groups": batch.informative_groups,
+        "guided_groups": len(batch.guided_tasks),
+        "rounds": dg.MetadataValue.json([r.record() for r in batch.rounds]),
+        "refill_stopped": batch.exhausted or "target reached",
+        "task_choices": dg.MetadataValue.json([c.record() for c in batch.choices]),
+        "group_size": config.group_size,
+        "completion_tokens": batch.completion_tokens,
+        "tokens_per_second": dg.MetadataValue.float(batch.completion_tokens / max(batch.seconds, 1e-9)),
+        "generation_seconds": dg.MetadataValue.float(batch.seconds),
+        # engine compute inside the stage (ops/bench/cycle.py): the engine's generation and the
+        # screening verification; generation_seconds above is the whole sampling loop
+        "engine_seconds": dg.MetadataValue.float(batch.generation_seconds + batch.screening_seconds),
+        "engine_parts": dg.MetadataValue.json({
+            "generation_s": round(batch.generation_seconds, 3), "verification_s": round(batch.screening_seconds, 3),
+            "generation_tokens_per_s": round(batch.completion_tokens / max(batch.generation_seconds, 1e-9), 1)}),
+        "servers": len(servers["servers"]),
+        "failed_servers": dg.MetadataValue.json(servers["failed_servers"]),
+        "server_pool": dg.MetadataValue.json(servers),
+        "engine_restarts": engine.stats.restarts,
+        "finish_reasons": dg.MetadataValue.json(dict(Counter(r["finish_reason"] for r in policy_rows))),
+        "episodes_with_answer": sum(1 for r in policy_rows if r["final_answer"] is not None),
+        "sampling": dg.MetadataValue.json(sampling.model_dump()),
+        "dynamic_sampling": dg.MetadataValue.json(dynamic.model_dump()),
+        "rollouts_config": dg.MetadataValue.json(config.model_dump()),
+        "path": dg.MetadataValue.path(str(path)),
+        **cost_metadata(meter),
+    }
+    return metadata, table
 
 
 @dg.asset(
@@ -86,81 +176,7 @@ def rollouts(context: dg.AssetExecutionContext, config: RolloutsConfig, trainer_
         raise dg.Failure(f"training rollouts need temperature > 0 and top_p 1 (got {config.temperature}, {config.top_p}): "
                          "the learner scores softmax(logits / temperature) over the whole vocabulary")
     cycle = cycle_of(context)
-    version = lineage.start_version(mlflow.uri())
-    model_dir = policies.hf_dir(version)
-    data = home().data
-    try:
-        pool = train_tasks()
-    except NoTrainingTasks as e:
-        raise dg.Failure(str(e)) from None
-    dynamic = dynamic_config(config)
-    env = home_environment()
-    max_tokens = env.completion_budget(config.max_tokens)
-    if max_tokens != config.max_tokens:
-        context.log.info(f"max_tokens {config.max_tokens} raised to {max_tokens}: {env.name}'s solutions need it")
-    sampling = SamplingConfig(group_size=config.group_size, temperature=config.temperature, top_p=config.top_p,
-                              max_tokens=max_tokens, seed=config.seed)
-    history = read_history(data, cycle, dynamic.curriculum.history_cycles)
-    truth = load_ground_truth(data)
-    try:
-        sandbox = Sandbox()
-    except SandboxUnavailable as e:
-        raise dg.Failure(f"cannot screen rollouts: {e}") from None
-    with metered("rollout", cycle, trainer_server.server_pids()) as meter:
-        engine = trainer_server.engine(model_dir, version)
-        context.log.info(f"cycle {cycle}: {len(pool)} training tasks, {config.group_size} samples per task, "
-                         f"by policy v{version}; history of cycles {list(history.cycles)}")
-        batch = sample_informative(engine, load_hf_tokenizer(model_dir), pool, history, dynamic, sampling,
-                                   lambda rows: screen_rewards(rows, truth, sandbox=sandbox),
-                                   cycle=cycle, version=version, env=env, log=context.log.info)
-        meter.add_tokens(batch.total_tokens)
-    if batch.exhausted:
-        context.log.warning(f"cycle {cycle}: {batch.informative_groups} informative groups, fewer than the "
-                            f"{dynamic.min_informative_groups} wanted (stopped: {batch.exhausted}); training on what "
-                            "was sampled")
-    servers = engine.pool_record()
-    for failure in servers["failed_servers"]:
-        context.log.warning(f"vLLM server {failure['url']} was taken out of the pool ({failure['error']}); its "
-                            f"{failure['in_flight']} request(s) in flight were sent to the other servers")
-    table = write_table(rollouts_table(batch.rows), ROLLOUTS, rollouts_path(data, cycle))
-    run_id = _log_rollout_run(context, mlflow, cycle, version, engine, servers, len(batch.rows))
-    policy_rows = [r for r in batch.rows if r["source"] == "policy"]
+    metadata, table = sample_iteration(context, config, trainer_server, mlflow, cycle,
+                                       version=lineage.start_version(mlflow.uri()))
     faults.stage_done("rollouts")
-    return dg.MaterializeResult(
-        metadata={
-            "cycle": cycle,
-            "mlflow_run_id": run_id,
-            "policy_version": version,
-            "environment": dg.MetadataValue.json(env.identity()),
-            "rollouts": len(batch.rows),
-            "policy_rollouts": len(policy_rows),
-            "reference_rollouts": len(batch.rows) - len(policy_rows),
-            "groups": batch.groups,
-            "informative_groups": batch.informative_groups,
-            "guided_groups": len(batch.guided_tasks),
-            "rounds": dg.MetadataValue.json([r.record() for r in batch.rounds]),
-            "refill_stopped": batch.exhausted or "target reached",
-            "task_choices": dg.MetadataValue.json([c.record() for c in batch.choices]),
-            "group_size": config.group_size,
-            "completion_tokens": batch.completion_tokens,
-            "tokens_per_second": dg.MetadataValue.float(batch.completion_tokens / max(batch.seconds, 1e-9)),
-            "generation_seconds": dg.MetadataValue.float(batch.seconds),
-            # engine compute inside the stage (ops/bench/cycle.py): the engine's generation and the
-            # screening verification; generation_seconds above is the whole sampling loop
-            "engine_seconds": dg.MetadataValue.float(batch.generation_seconds + batch.screening_seconds),
-            "engine_parts": dg.MetadataValue.json({
-                "generation_s": round(batch.generation_seconds, 3), "verification_s": round(batch.screening_seconds, 3),
-                "generation_tokens_per_s": round(batch.completion_tokens / max(batch.generation_seconds, 1e-9), 1)}),
-            "servers": len(servers["servers"]),
-            "failed_servers": dg.MetadataValue.json(servers["failed_servers"]),
-            "server_pool": dg.MetadataValue.json(servers),
-            "engine_restarts": engine.stats.restarts,
-            "finish_reasons": dg.MetadataValue.json(dict(Counter(r["finish_reason"] for r in policy_rows))),
-            "episodes_with_answer": sum(1 for r in policy_rows if r["final_answer"] is not None),
-            "sampling": dg.MetadataValue.json(sampling.model_dump()),
-            "dynamic_sampling": dg.MetadataValue.json(dynamic.model_dump()),
-            "path": dg.MetadataValue.path(str(rollouts_path(data, cycle))),
-            **cost_metadata(meter),
-        },
-        data_version=dg.DataVersion(table_hash(table)),
-    )
+    return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(table_hash(table)))

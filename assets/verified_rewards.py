@@ -41,6 +41,8 @@ MAX_GROUPS_IN_METADATA = 2000
 class VerifiedRewardsConfig(dg.Config):
     cycle: int | None = Field(default=None, description="Cycle to score; default: the run's cycle tag, else the latest rollouts.")
     workers: int = Field(default=0, description="Parallel verification workers; 0 sizes the pool to the machine.")
+    iteration: int = Field(default=1, ge=1, description="The cycle's on-policy iteration to score: 1 is the `rollouts` "
+                           "asset's table, later ones the learner stage sampled (`perpetua rescore` re-scores each).")
 
 
 # What the cycle's MLflow record says about its rewards: how many were flagged (reward hacking or a
@@ -49,15 +51,20 @@ MLFLOW_METRICS = ("mean_reward", "flagged", "flagged_rate", "infra_failures", "i
                   "unsandboxed", "verifications_per_second")
 
 
-def _log_reward_counts(context, mlflow: MlflowTracking, cycle: int, summary: dict, isolation: str) -> str:
-    """The `reward` stage run under the cycle's MLflow run, and the counts on the cycle run too."""
+def _log_reward_counts(context, mlflow: MlflowTracking, cycle: int, summary: dict, isolation: str,
+                       iteration: int = 1) -> str:
+    """The `reward` stage run under the cycle's MLflow run, and the counts on the cycle run too
+    (the first iteration's; a later iteration's counts are on its own stage run)."""
     uri = mlflow.uri()
     parent = cycle_run_id(context, uri, mlflow.experiment, cycle)
     metrics = {k: float(summary[k]) for k in MLFLOW_METRICS}
-    with tracking.stage_run(uri, parent, "reward", tags=tracking.dagster_tags(context.run.run_id, "verified_rewards"),
-                            params={"verifier_versions": verifier_versions(), "sandbox_isolation": isolation}) as log:
+    with tracking.stage_run(uri, parent, "reward",
+                            tags=tracking.dagster_tags(context.run.run_id, context.asset_key.to_user_string()),
+                            params={"verifier_versions": verifier_versions(), "sandbox_isolation": isolation,
+                                    "iteration": iteration}) as log:
         log.log_metrics(metrics, step=cycle)
-    tracking.RunLog(uri, parent).log_metrics({f"rewards.{k}": v for k, v in metrics.items()}, step=cycle)
+    if iteration == 1:
+        tracking.RunLog(uri, parent).log_metrics({f"rewards.{k}": v for k, v in metrics.items()}, step=cycle)
     return log.run_id
 
 
@@ -73,25 +80,37 @@ def verified_rewards(context: dg.AssetExecutionContext, config: VerifiedRewardsC
     """Rewards for every rollout of the cycle: reward, typed outcome, details and the verifier
     version, from sandboxed verifiers that re-execute what the model claimed."""
     cycle = cycle_of(context, explicit=config.cycle, upstream="rollouts", stored=lambda: stored_cycles(home().data))
+    metadata, table = score_iteration(context, mlflow, cycle, config.iteration, config.workers)
+    faults.stage_done("verified_rewards")
+    return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(table_hash(table)))
+
+
+def score_iteration(context, mlflow: MlflowTracking, cycle: int, iteration: int = 1,
+                    workers: int = 0) -> tuple[dict, object]:
+    """Verify one on-policy iteration's rollouts of `cycle` and write its rewards table: the whole
+    of this asset's work for the first iteration, and what the learner stage calls for a cycle's
+    later ones. Returns (metadata, table)."""
     try:
-        with metered("reward", cycle) as meter:  # sandboxed verifier processes are waited-for children
-            report, path, table = score_cycle(home().data, cycle, workers=config.workers or None)
+        with metered("reward", cycle, iteration=iteration) as meter:  # sandboxed verifier processes are waited-for children
+            report, path, table = score_cycle(home().data, cycle, workers=workers or None, iteration=iteration)
     except (NothingToScore, SandboxUnavailable) as e:
         raise dg.Failure(str(e)) from None
     summary = report.summary()
     stats = report.group_stats()
     groups = {k: {"n": s.n, "mean": round(s.mean, 6), "std": round(s.std, 6), "all_equal": s.all_equal}
               for k, s in list(stats.items())[:MAX_GROUPS_IN_METADATA]}
-    context.log.info(f"cycle {cycle}: {summary['rollouts']} rollouts, mean reward {summary['mean_reward']:.3f}, "
+    what = f"cycle {cycle}" + (f" iteration {iteration}" if iteration > 1 else "")
+    context.log.info(f"{what}: {summary['rollouts']} rollouts, mean reward {summary['mean_reward']:.3f}, "
                      f"{summary['verifications_per_second']:.1f} verifications/s ({report.isolation}), "
                      f"{summary['flagged']} flagged, {summary['infra_failures']} infrastructure failures "
                      f"({summary['infra_retried']} retried)")
     if report.unsandboxed:
         context.log.error("UNSAFE: these rewards were produced WITHOUT the sandbox (PERPETUA_UNSAFE_NO_SANDBOX=1); "
                           "the check rewards_sandboxed refuses the cycle")
-    run_id = _log_reward_counts(context, mlflow, cycle, summary, report.isolation)
+    run_id = _log_reward_counts(context, mlflow, cycle, summary, report.isolation, iteration)
     metadata = {
         "cycle": cycle,
+        "iteration": iteration,
         "mlflow_run_id": run_id,
         "path": dg.MetadataValue.path(str(path)),
         "rows": summary["rollouts"],
@@ -117,14 +136,20 @@ def verified_rewards(context: dg.AssetExecutionContext, config: VerifiedRewardsC
     }
     metadata.update({f"share_{k.replace('-', '_')}": dg.MetadataValue.float(v) for k, v in summary["outcome_share"].items()})
     metadata.update(cost_metadata(meter))
-    faults.stage_done("verified_rewards")
-    return dg.MaterializeResult(metadata=metadata, data_version=dg.DataVersion(table_hash(table)))
+    return metadata, table
 
 
-def _cycle_rewards(context) -> tuple[int, list[dict]]:
-    cycle = cycle_of(context, upstream="verified_rewards", stored=lambda: stored_cycles(home().data, "verified_rewards"))
-    table = read_table(rewards_path(home().data, cycle), REWARDS)
-    return cycle, table.select(["isolation", "flagged"]).to_pylist()
+def _checked_rewards(context) -> tuple[int, list[dict]]:
+    """The rows the checks look at: the table the asset's latest materialization wrote (a cycle's
+    first iteration, or the one `perpetua rescore` re-scored), else the latest stored cycle's."""
+    event = context.instance.get_latest_materialization_event(dg.AssetKey("verified_rewards"))
+    md = event.asset_materialization.metadata if event is not None and event.asset_materialization else {}
+    if "path" in md and "cycle" in md:
+        cycle, path = int(md["cycle"].value), md["path"].value
+    else:
+        cycle = cycle_of(context, upstream="verified_rewards", stored=lambda: stored_cycles(home().data, "verified_rewards"))
+        path = rewards_path(home().data, cycle)
+    return cycle, read_table(path, REWARDS).select(["isolation", "flagged"]).to_pylist()
 
 
 def max_flagged_rate() -> float:
@@ -135,30 +160,40 @@ def max_flagged_rate() -> float:
         raise dg.Failure(f"PERPETUA_MAX_FLAGGED_RATE must be a number, got {raw!r}") from None
 
 
+def sandboxed(rows: list[dict]) -> tuple[bool, dict]:
+    """Every reward produced inside bubblewrap? (passed, metadata)"""
+    unsafe = sum(1 for r in rows if r["isolation"] != "bwrap")
+    return unsafe == 0, {"rows": len(rows), "unsandboxed_rows": unsafe,
+                         "reason": "all rewards sandboxed" if unsafe == 0 else
+                         f"{unsafe} of {len(rows)} rewards were produced without the sandbox (or with unknown "
+                         "isolation); install bubblewrap and rescore (perpetua rescore)"}
+
+
+def flagged_within_limit(rows: list[dict]) -> tuple[bool, dict]:
+    """The share of flagged rewards at most PERPETUA_MAX_FLAGGED_RATE? (passed, metadata)"""
+    flagged = sum(bool(r["flagged"]) for r in rows)
+    rate, limit = flagged / max(1, len(rows)), max_flagged_rate()
+    return rate <= limit, {"flagged": flagged, "rows": len(rows), "flagged_rate": dg.MetadataValue.float(rate),
+                           "max_flagged_rate": dg.MetadataValue.float(limit),
+                           "reason": f"{flagged} of {len(rows)} rewards flagged ({rate:.2f}; at most {limit:.2f})"}
+
+
+BLOCKING_CHECKS = {"rewards_sandboxed": sandboxed, "rewards_flagged_rate": flagged_within_limit}
+
+
 @dg.asset_check(asset=verified_rewards, blocking=True,
                 description="Every reward was produced inside the bubblewrap sandbox; rewards produced with "
                             "PERPETUA_UNSAFE_NO_SANDBOX=1 stop the cycle before the learner.")
 def rewards_sandboxed(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
-    cycle, rows = _cycle_rewards(context)
-    unsafe = sum(1 for r in rows if r["isolation"] != "bwrap")
-    return dg.AssetCheckResult(
-        passed=unsafe == 0, severity=dg.AssetCheckSeverity.ERROR,
-        metadata={"cycle": cycle, "rows": len(rows), "unsandboxed_rows": unsafe,
-                  "reason": "all rewards sandboxed" if unsafe == 0 else
-                  f"{unsafe} of {len(rows)} rewards were produced without the sandbox (or with unknown isolation); "
-                  "install bubblewrap and rescore (perpetua rescore)"},
-    )
+    cycle, rows = _checked_rewards(context)
+    passed, metadata = sandboxed(rows)
+    return dg.AssetCheckResult(passed=passed, severity=dg.AssetCheckSeverity.ERROR, metadata={"cycle": cycle} | metadata)
 
 
 @dg.asset_check(asset=verified_rewards, blocking=True,
                 description="The share of flagged rewards (reward-hacking guards, sandbox violations) is at most "
                             "PERPETUA_MAX_FLAGGED_RATE (default 0.5).")
 def rewards_flagged_rate(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
-    cycle, rows = _cycle_rewards(context)
-    flagged = sum(bool(r["flagged"]) for r in rows)
-    rate, limit = flagged / max(1, len(rows)), max_flagged_rate()
-    return dg.AssetCheckResult(
-        passed=rate <= limit, severity=dg.AssetCheckSeverity.ERROR,
-        metadata={"cycle": cycle, "flagged": flagged, "rows": len(rows),
-                  "flagged_rate": dg.MetadataValue.float(rate), "max_flagged_rate": dg.MetadataValue.float(limit)},
-    )
+    cycle, rows = _checked_rewards(context)
+    passed, metadata = flagged_within_limit(rows)
+    return dg.AssetCheckResult(passed=passed, severity=dg.AssetCheckSeverity.ERROR, metadata={"cycle": cycle} | metadata)

@@ -76,6 +76,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                           _cycle_config(learner=_loss(off_policy="sft"))),
     "anchor-replay": ("defaults + solved tasks replayed at weight 0.2, their all-pass groups trained as supervised anchors",
                       _cycle_config({"replay_weight": 0.2}, _loss(anchor_solved=True))),
+    "iterations-2": ("defaults with 2 on-policy iterations per cycle (rollouts by the newest weights, verification, "
+                     "a step, twice before eval)", _cycle_config(learner={"iterations": 2})),
+    "iterations-3": ("defaults with 3 on-policy iterations per cycle", _cycle_config(learner={"iterations": 3})),
     "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
                         {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }

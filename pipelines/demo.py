@@ -103,7 +103,8 @@ def cycle_row(cycle: int, result, traffic: dict, parent: str, wall: float) -> di
     return {
         "cycle": cycle,
         "failures_harvested": harvested.get("harvested", 0),
-        "rollouts": rollouts.get("rollouts", 0),
+        # every on-policy iteration's rollouts (the later ones are the learner stage's)
+        "rollouts": rollouts.get("rollouts", 0) + learner.get("cycle_rollouts_after_first", 0),
         "mean_reward": rewards.get("mean_reward"),
         "champion_score": report.get("champion_score"),
         "candidate_score": report.get("candidate_score"),
@@ -114,7 +115,9 @@ def cycle_row(cycle: int, result, traffic: dict, parent: str, wall: float) -> di
         "deciding_set_size": report.get("deciding_set_size"),
         "known_failures_fixed": report.get("known_failures_fixed"),
         # rollouts in groups with reward variance (samples_kept before the learner counted them apart)
-        "informative_samples": learner.get("informative_samples", learner.get("samples_kept")),
+        "informative_samples": learner.get("cycle_informative_samples", learner.get("informative_samples",
+                                                                                  learner.get("samples_kept"))),
+        "iterations": learner.get("iterations", 1),
         "policy_entropy": learner.get("entropy"),
         "deployed": bool(deployed),
         "cost_usd": report.get("cycle_cost_usd"),

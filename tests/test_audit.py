@@ -131,7 +131,7 @@ def harvest(instance) -> str:
 
 def run_cycle(instance) -> dg.ExecuteInProcessResult:
     from assets.policy_checkpoint import policy_checkpoint
-    from assets.resources import MlflowTracking, PolicyLineage
+    from assets.resources import MlflowTracking, PolicyLineage, PolicyServer
     from assets.training_tasks import training_tasks
     from assets.verified_rewards import verified_rewards
 
@@ -144,7 +144,7 @@ def run_cycle(instance) -> dg.ExecuteInProcessResult:
         [training_tasks, rollouts_standin, verified_rewards, policy_checkpoint, eval_report_standin, deployment_standin],
         instance=instance, run_config=config, tags={"perpetua/cycle": str(CYCLE)},
         resources={"pipes_subprocess_client": dg.PipesSubprocessClient(), "lineage": PolicyLineage(),
-                   "mlflow": MlflowTracking(tracking_uri=uri)},
+                   "mlflow": MlflowTracking(tracking_uri=uri), "trainer_server": PolicyServer()},
     )
     assert result.success
     return result

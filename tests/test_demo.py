@@ -27,6 +27,10 @@ perpetua_cycle:
     eval_report: {config: {drift_per_family: 8, guard_per_family: 8, production_tasks: 8}}
 """
 
+# The second run: two on-policy iterations per cycle (rollouts by the newest weights, verified, a step).
+ITERATING = SMALL + """    policy_checkpoint: {config: {iterations: 2}}
+"""
+
 # docs/architecture.md, `demo --summary FILE` (fixed keys).
 CYCLE_KEYS = {"cycle", "failures_harvested", "rollouts", "mean_reward", "champion_score", "candidate_score", "gain_ci",
               "deployed", "cost_usd", "intelligence_per_dollar", "policy_version", "dagster_run_id", "mlflow_run_id",
@@ -79,10 +83,12 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
                                      "nightly_eval_schedule": "RUNNING"}
     landed_before_second, failures_before_second = _landed(home), _failure_trace_ids(home)
 
-    second = _demo(env, tmp_path / "second.json", "--no-automation", "--run-config", str(tmp_path / "small.yaml"))
+    (tmp_path / "iterating.yaml").write_text(ITERATING)
+    second = _demo(env, tmp_path / "second.json", "--no-automation", "--run-config", str(tmp_path / "iterating.yaml"))
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-6000:]
     (row2,) = json.loads((tmp_path / "second.json").read_text())["cycles"]
-    assert row2["cycle"] == 2 and row2["policy_version"] == 2
+    # v2 from the cycle's rollouts, v3 from the rollouts v2 sampled: the candidate is the last
+    assert row2["cycle"] == 2 and row2["iterations"] == 2 and row2["policy_version"] == 3
     assert "bootstrap" in second.stdout  # the base policy is reused, not retrained
     assert "reusing it" in second.stderr + second.stdout
 
@@ -108,6 +114,12 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
         reads = {}
         for record in instance.fetch_materializations(dg.AssetKey("harvested_failures"), limit=10).records:
             reads[record.run_id] = record.asset_materialization.metadata["read"].value
+        (learn2,) = [r.asset_materialization.metadata for r in
+                     instance.fetch_materializations(dg.AssetKey("policy_checkpoint"), limit=10).records
+                     if r.run_id == row2["dagster_run_id"]]
+        observed = [r for r in instance.fetch_observations(dg.AssetKey("rollouts"), limit=10).records
+                    if r.run_id == row2["dagster_run_id"]]
+    _check_iterations(h, row2, learn2, observed, env)
     # Every record is read by exactly one harvest: the first run's cycle read what landed before
     # it; the second run's cycle read the first run's closing traffic (landing files) and the
     # failures among its own traffic before it (MLflow traces: the source asks for failures
@@ -127,6 +139,11 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
     marked = {t.info.trace_id for t in logged if any(a.name == verdicts.HARVESTED for a in t.info.assessments)}
     assert marked == {t.info.trace_id for t in failed}
     assert [tracking.client(uri).get_run(r["mlflow_run_id"]).info.status for r in (row, row2)] == ["FINISHED", "FINISHED"]
+    # one rollout, reward and learn stage run per iteration under the cycle's MLflow run
+    stage_runs = c.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{row2['mlflow_run_id']}'")
+    iterations_of = lambda stage: sorted(r.data.params.get("iteration") for r in stage_runs  # noqa: E731
+                                         if r.data.tags.get("perpetua.stage") == stage)
+    assert iterations_of("rollout") == iterations_of("reward") == iterations_of("learn") == ["1", "2"]
 
     # The lineage of cycle 2's run reaches back through the checkpoint it continued from: cycle 1's
     # when cycle 1 was deployed (a cycle builds on the champion), the base policy's otherwise; and
@@ -135,6 +152,8 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
                            env=env, capture_output=True, text=True, timeout=300)
     lineage = json.loads(audit.stdout)
     assert audit.returncode == 0 and lineage["complete"], audit.stdout[-3000:] + audit.stderr[-3000:]
+    # the model learned from the second iteration's informative groups too
+    assert _informative_tasks(home, 2, 2) <= set(lineage["learned_from"]["task_ids"])
     runs_of = lambda key: {hop["dagster_run_id"] for hop in lineage["hops"] if hop["asset_key"] == key}  # noqa: E731
     both = {row["dagster_run_id"], row2["dagster_run_id"]}
     learned = both if row["deployed"] else {row2["dagster_run_id"]}
@@ -173,3 +192,52 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
     metrics = c.get_run(row2["mlflow_run_id"]).data.metrics
     assert metrics["cycle.compute_ratio"] == pytest.approx(row2["breakdown"]["ratio"])
     assert metrics["cycle.stage.rollouts.compute_s"] == pytest.approx(row2["breakdown"]["stages"]["rollouts"]["compute_s"])
+
+
+def _informative_tasks(home: Path, cycle: int, iteration: int) -> set[str]:
+    """Task ids of the groups whose verified rewards differ in one iteration's tables."""
+    import pyarrow.parquet as pq
+
+    from ops.reward.scoring import rewards_path, rollouts_path
+
+    data = home / "data"
+    reward = {(r["group_id"], r["sample_index"]): r["reward"] for r in pq.read_table(
+        rewards_path(data, cycle, iteration), columns=["group_id", "sample_index", "reward"]).to_pylist()}
+    seen: dict[str, tuple[str, set]] = {}
+    for r in pq.read_table(rollouts_path(data, cycle, iteration), columns=["group_id", "sample_index", "task_id"]).to_pylist():
+        seen.setdefault(r["group_id"], (r["task_id"], set()))[1].add(reward[(r["group_id"], r["sample_index"])])
+    return {task for task, values in seen.values() if len(values) > 1}
+
+
+def _check_iterations(h, row: dict, learn: dict, observed: list, env: dict) -> None:
+    """A cycle of two on-policy iterations: the second's rollouts were sampled by the first's
+    output, verified in the sandbox and trained on; every table, cost and record is kept, and
+    `perpetua rescore` covers both."""
+    import pyarrow.parquet as pq
+
+    from ops.reward.scoring import rewards_path, rollouts_path, stored_iterations
+
+    records = learn["iteration_records"].value
+    assert [r["iteration"] for r in records] == [1, 2] and learn["iterations"].value == 2
+    assert records[1]["policy_version_in"] == records[0]["policy_version_out"] == 2
+    assert records[1]["policy_version_out"] == learn["policy_version"].value == 3
+    assert learn["cycle_start_policy_version"].value == records[0]["policy_version_in"]
+    assert learn["cycle_informative_samples"].value == row["informative_samples"] == sum(
+        r["informative_samples"] for r in records)
+    rollouts2 = pq.read_table(rollouts_path(h.data, 2, 2)).to_pylist()
+    assert records[1]["rollouts"] == len(rollouts2) > 0 and row["rollouts"] == len(
+        pq.read_table(rollouts_path(h.data, 2)).to_pylist()) + len(rollouts2)
+    assert {r["policy_version"] for r in rollouts2 if r["source"] == "policy"} == {2}
+    rewards2 = pq.read_table(rewards_path(h.data, 2, 2)).to_pylist()
+    assert len(rewards2) == len(rollouts2) and {r["isolation"] for r in rewards2} == {"bwrap"}
+    assert stored_iterations(h.data, 2) == [1, 2] and stored_iterations(h.data, 1) == [1]
+    assert [o.asset_observation.metadata["iteration"].value for o in observed] == [2]
+    assert (h.data / "costs" / "cycle=2" / "rollout.iteration-2.json").exists()
+    assert (h.data / "costs" / "cycle=2" / "learn.iteration-2.json").exists()
+    assert row["breakdown"]["stages"]["policy_checkpoint"]["other"]["more_iterations_other_s"] > 0
+    rescored = subprocess.run([sys.executable, "-m", "pipelines.cli", "rescore", "--cycle", "2", "--no-dagster", "--json"],
+                              env=env, capture_output=True, text=True, timeout=300)
+    assert rescored.returncode == 0, rescored.stderr[-3000:]
+    out = json.loads(rescored.stdout)
+    assert out["iteration"] == 1 and [o["iteration"] for o in out["iterations"]] == [2]
+    assert out["iterations"][0]["rollouts"] == len(rollouts2)

@@ -11,7 +11,7 @@ import pytest
 
 from ops.common.tables import REWARDS, ROLLOUTS, write_table
 from ops.reward.sandbox import Sandbox
-from ops.reward.scoring import rewards_path, rollouts_path, screen_rewards
+from ops.reward.scoring import rewards_path, rollouts_path, screen_rewards, stored_cycles, stored_iterations
 from ops.rollout.curriculum import EMPTY_HISTORY, CurriculumConfig, choose_tasks, read_history
 from ops.rollout.dynamic import DynamicSamplingConfig, sample_informative
 from ops.rollout.groups import SamplingConfig, generate_groups, reference_rows
@@ -130,3 +130,31 @@ def test_history_and_curriculum_weights(tmp_path, tokenizer, screen):
     assert unguided[hard_mul.task_id] < weight[hard_mul.task_id] / 2  # without guidance a never-solved task teaches little
     uniform = choose_tasks(POOL, 8, history, CurriculumConfig(enabled=False), guide_after=1, group_size=8, seed="s")
     assert {c.weight for c in uniform} == {1.0}
+
+
+def test_history_counts_every_on_policy_iteration(tmp_path, tokenizer, screen):
+    """A cycle's later iterations (cycle=N.iteration=K tables) count for later cycles, and for the
+    same cycle's later iterations only up to the one asked; an iteration without rewards not at all."""
+    engine = ScriptedEngine(tokenizer, add_only)
+
+    def store(cycle: int, iteration: int, tasks, rewards_too: bool = True) -> None:
+        rows = generate_groups(engine, tokenizer, tasks, SamplingConfig(group_size=4), cycle=cycle, require_version=3).rows
+        write_table(rows, ROLLOUTS, rollouts_path(tmp_path, cycle, iteration))
+        if rewards_too:
+            rewards = [{"group_id": r["group_id"], "sample_index": r["sample_index"], "task_id": r["task_id"],
+                        "reward": reward, "infra_failure": False} for r, reward in zip(rows, screen(rows))]
+            write_table(rewards, REWARDS, rewards_path(tmp_path, cycle, iteration))
+
+    store(1, 1, ADD[:2])
+    store(1, 2, MUL[:2])
+    store(1, 3, MUL[2:4], rewards_too=False)
+    store(2, 1, ADD[2:4])
+    store(2, 2, MUL[4:6])
+    assert rollouts_path(tmp_path, 1, 2).name == "cycle=1.iteration=2.parquet" and rollouts_path(tmp_path, 1).name == "cycle=1.parquet"
+    assert stored_iterations(tmp_path, 1) == [1, 2] and stored_iterations(tmp_path, 1, tables=("rollouts",)) == [1, 2, 3]
+    assert stored_cycles(tmp_path) == [1, 2]  # iteration tables are not cycles of their own
+    later = read_history(tmp_path, before_cycle=3, cycles=4)
+    assert later.families["add"].attempts == 16 and later.families["mul"].attempts == 16
+    within = read_history(tmp_path, before_cycle=2, cycles=4, current_iterations=1)
+    assert within.families["add"].attempts == 16 and within.families["mul"].attempts == 8  # cycle 2 iteration 2 not yet
+    assert read_history(tmp_path, before_cycle=2, cycles=4).families["add"].attempts == 8

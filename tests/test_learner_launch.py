@@ -166,10 +166,9 @@ def test_bad_launcher_configuration_is_one_line(kind, settings, message):
 ])
 def test_bad_launcher_configuration_fails_the_asset_clearly(perpetua_home, config, message):
     from assets.policy_checkpoint import policy_checkpoint
-    from assets.resources import PolicyLineage
+    from test_policy_checkpoint_asset import step_resources
 
     with dg.instance_for_test() as instance, pytest.raises(dg.Failure) as e:
         dg.materialize([policy_checkpoint], instance=instance,
-                       run_config={"ops": {"policy_checkpoint": {"config": config}}},
-                       resources={"pipes_subprocess_client": dg.PipesSubprocessClient(), "lineage": PolicyLineage()})
+                       run_config={"ops": {"policy_checkpoint": {"config": config}}}, resources=step_resources())
     assert message in str(e.value.description)

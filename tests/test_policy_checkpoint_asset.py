@@ -40,11 +40,19 @@ def write_cycle(home: Path, cycle: int) -> None:
     write_table(rw, REWARDS, rewards_path(home / "data", cycle))
 
 
+def step_resources(continue_from: str = "champion") -> dict:
+    """The learner stage's resources for a step alone (no later on-policy iteration samples, so the
+    trainer server is never started)."""
+    from assets.resources import MlflowTracking, PolicyLineage, PolicyServer
+
+    return {"pipes_subprocess_client": dg.PipesSubprocessClient(), "lineage": PolicyLineage(continue_from=continue_from),
+            "trainer_server": PolicyServer(), "mlflow": MlflowTracking()}
+
+
 def materialize_step(home: Path, cycle: int, continue_from: str = "latest", **config) -> tuple[dict, object]:
     """One `policy_checkpoint` materialization of `cycle` in a fresh test instance, with small
     learner settings and `config` on top: (its metadata values, the materialization)."""
     from assets.policy_checkpoint import policy_checkpoint
-    from assets.resources import PolicyLineage
     from ops.common import tracking
 
     run_config = {"ops": {"policy_checkpoint": {"config": {
@@ -52,8 +60,7 @@ def materialize_step(home: Path, cycle: int, continue_from: str = "latest", **co
         "mlflow_tracking_uri": tracking.sqlite_uri(home / "mlflow" / "mlflow.db"), **config}}}}
     with dg.instance_for_test() as instance:
         result = dg.materialize([policy_checkpoint], instance=instance, run_config=run_config,
-                                resources={"pipes_subprocess_client": dg.PipesSubprocessClient(),
-                                           "lineage": PolicyLineage(continue_from=continue_from)})
+                                resources=step_resources(continue_from))
     assert result.success
     (mat,) = result.asset_materializations_for_node("policy_checkpoint")
     return {k: v.value for k, v in mat.metadata.items()}, mat
@@ -61,7 +68,6 @@ def materialize_step(home: Path, cycle: int, continue_from: str = "latest", **co
 
 def test_policy_checkpoint_materializes_through_pipes(perpetua_home):
     from assets.policy_checkpoint import policy_checkpoint
-    from assets.resources import PolicyLineage
     from ops.common import tracking
     from ops.policy.checkpoint import latest_complete
 
@@ -77,8 +83,7 @@ def test_policy_checkpoint_materializes_through_pipes(perpetua_home):
             "cycle": cycle, "micro_batch_size": 4, "updates_per_step": 2, "lr": 1e-3, "mlflow_tracking_uri": uri,
             "launcher": "local", **config}}}}
         result = dg.materialize([policy_checkpoint], instance=instance, run_config=run_config,
-                                resources={"pipes_subprocess_client": dg.PipesSubprocessClient(),
-                                           "lineage": PolicyLineage(continue_from=continue_from)})
+                                resources=step_resources(continue_from))
         assert result.success
         (mat,) = result.asset_materializations_for_node("policy_checkpoint")
         return mat, result
@@ -134,11 +139,9 @@ def test_policy_checkpoint_materializes_through_pipes(perpetua_home):
 
 def test_missing_verified_batch_fails_clearly(perpetua_home):
     from assets.policy_checkpoint import policy_checkpoint
-    from assets.resources import PolicyLineage
 
     with dg.instance_for_test() as instance:
         with pytest.raises(dg.Failure, match="no rollouts at"):
             dg.materialize([policy_checkpoint], instance=instance,
                            run_config={"ops": {"policy_checkpoint": {"config": {"cycle": 5}}}},
-                           resources={"pipes_subprocess_client": dg.PipesSubprocessClient(),
-                                      "lineage": PolicyLineage()})
+                           resources=step_resources())

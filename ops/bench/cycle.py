@@ -6,7 +6,8 @@ their materialization metadata as `engine_seconds`:
   engine calls) and the screening verification in the sandbox (`engine_parts`);
 - verified_rewards: the sandboxed verification of every rollout;
 - policy_checkpoint: forward, backward and optimizer of each update (the learner's result json,
-  `history[].step_seconds`);
+  `history[].step_seconds`), and with more than one on-policy iteration per cycle the later
+  iterations' generation, verification and updates too;
 - eval_report: the generation and verification of the tasks each policy (candidate, champion,
   guard reference) is scored on in this cycle (`engine_parts`; tasks whose recorded outcomes are
   reused cost none). A run recorded before the stage timed its engines has no `engine_seconds`:
@@ -25,7 +26,9 @@ Everything else, per stage, split where the stage's records allow it (`other`):
   process-group init, Dagster Pipes), `learner_read_batch_s`, `learner_model_build_and_load_s`
   (model build, checkpoint load), `learner_step_bookkeeping_s` (micro-batch planning,
   reference log-probs, per-update metrics and their MLflow logging),
-  `learner_save_and_export_s` (checkpoint save, HF export), `learner_other_s` (the rest).
+  `learner_save_and_export_s` (checkpoint save, HF export), `learner_other_s` (the rest) of
+  the cycle's first on-policy iteration; `more_iterations_other_s`: the later iterations' wall
+  (rollouts, verification, step) less their engine compute.
 Around the stages: `between_steps_s` (the run's wall less every step's: run start and end,
 step scheduling), `other_steps` (asset checks, the traces source), `outside_run_s` (the cycle's
 wall less the run's: the launcher's MLflow parent run, creating the run, closing it).
@@ -83,8 +86,14 @@ def _parts(stage: str, wall: float, compute: float | None, md: Mapping) -> dict[
     metered = md.get("stage_wall_seconds")
     if metered is None:
         return {}
+    parts = {}
+    more = md.get("more_iterations") or {}
+    if stage == "policy_checkpoint" and more.get("wall_s"):  # a cycle's later on-policy iterations
+        parts["more_iterations_other_s"] = _r(float(more["wall_s"]) - float(more["compute_s"]))
+        wall -= float(more["wall_s"])
+        compute = None if compute is None else compute - float(more["compute_s"])
     metered = min(float(metered), wall)
-    parts = {"step_and_logging_s": _r(wall - metered)}
+    parts["step_and_logging_s"] = _r(wall - metered)
     phases = md.get("learner_phase_seconds")
     if stage == "policy_checkpoint" and phases and compute is not None and "train" in phases:
         total = float(phases.get("total", 0.0))

@@ -49,6 +49,7 @@ HARVESTED_FAILURES = "harvested_failures"
 TRAINING_TASKS = "training_tasks"
 ROLLOUTS = "rollouts"
 VERIFIED_REWARDS = "verified_rewards"
+POLICY_CHECKPOINT = "policy_checkpoint"
 _BATCH_FILE = re.compile(r"^batch-(\d+)\.parquet$")
 
 
@@ -296,9 +297,13 @@ def learned_from_of(audit: Audit) -> tuple[list[str], list[str]]:
     `trace_ids_of` are every harvested failure upstream, sampled or not; these are the subset
     that reached a gradient. Tables no longer on disk are skipped (the hops' `missing` says so)."""
     rewards_by_cycle = {h.metadata.get("cycle"): h.metadata.get("path") for h in audit.hops_for(VERIFIED_REWARDS)}
+    tables = [(hop.metadata.get("path"), rewards_by_cycle.get(hop.metadata.get("cycle"))) for hop in audit.hops_for(ROLLOUTS)]
+    for hop in audit.hops_for(POLICY_CHECKPOINT):  # a cycle's later on-policy iterations
+        records = hop.metadata.get("iteration_records")
+        tables += [(r.get("rollouts_path"), r.get("rewards_path")) for r in (records if isinstance(records, list) else [])
+                   if r.get("iteration", 1) > 1]
     learned: list[str] = []
-    for hop in audit.hops_for(ROLLOUTS):
-        rollouts, rewards = hop.metadata.get("path"), rewards_by_cycle.get(hop.metadata.get("cycle"))
+    for rollouts, rewards in tables:
         if not (isinstance(rollouts, str) and isinstance(rewards, str) and Path(rollouts).exists() and Path(rewards).exists()):
             continue
         reward = {(r["group_id"], r["sample_index"]): r["reward"] for r in

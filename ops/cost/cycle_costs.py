@@ -17,8 +17,10 @@ def _dir(data_dir: Path, cycle: int) -> Path:
     return Path(data_dir) / "costs" / f"cycle={cycle}"
 
 
-def record(data_dir: Path, cycle: int, cost: StageCost) -> Path:
-    path = _dir(data_dir, cycle) / f"{cost.stage}.json"
+def record(data_dir: Path, cycle: int, cost: StageCost, part: str | None = None) -> Path:
+    """`<stage>.json`, or `<stage>.<part>.json` for one more part of the same stage (a later
+    on-policy iteration's sampling, say); the cycle's cost adds every file."""
+    path = _dir(data_dir, cycle) / (f"{cost.stage}.{part}.json" if part else f"{cost.stage}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(asdict(cost), indent=2))

@@ -260,12 +260,36 @@ def rewards_table(report: VerifyReport) -> pa.Table:
 _CYCLE_FILE = re.compile(r"^cycle=(\d+)\.parquet$")
 
 
-def rollouts_path(data_dir: Path, cycle: int) -> Path:
-    return data_dir / "rollouts" / f"cycle={cycle}.parquet"
+def _table_name(cycle: int, iteration: int) -> str:
+    """`cycle=N.parquet` for a cycle's first on-policy iteration (the `rollouts` and
+    `verified_rewards` assets), `cycle=N.iteration=K.parquet` for the later ones the learner
+    stage samples and verifies (assets/policy_checkpoint.py)."""
+    if iteration < 1:
+        raise ValueError(f"iterations count from 1, got {iteration}")
+    return f"cycle={cycle}.parquet" if iteration == 1 else f"cycle={cycle}.iteration={iteration}.parquet"
 
 
-def rewards_path(data_dir: Path, cycle: int) -> Path:
-    return data_dir / "verified_rewards" / f"cycle={cycle}.parquet"
+def rollouts_path(data_dir: Path, cycle: int, iteration: int = 1) -> Path:
+    return data_dir / "rollouts" / _table_name(cycle, iteration)
+
+
+def rewards_path(data_dir: Path, cycle: int, iteration: int = 1) -> Path:
+    return data_dir / "verified_rewards" / _table_name(cycle, iteration)
+
+
+_ITERATION_FILE = re.compile(r"^cycle=(\d+)\.iteration=(\d+)\.parquet$")
+
+
+def stored_iterations(data_dir: Path, cycle: int, tables: tuple[str, ...] = ("rollouts", "verified_rewards")) -> list[int]:
+    """The on-policy iterations of `cycle` with every one of `tables` stored (1 first)."""
+    found = []
+    for table in tables:
+        folder = data_dir / table
+        names = {p.name for p in folder.iterdir()} if folder.is_dir() else set()
+        its = {1} if f"cycle={cycle}.parquet" in names else set()
+        its |= {int(m.group(2)) for n in names if (m := _ITERATION_FILE.match(n)) and int(m.group(1)) == cycle}
+        found.append(its)
+    return sorted(set.intersection(*found))
 
 
 def stored_cycles(data_dir: Path, table: str = "rollouts") -> list[int]:
@@ -301,19 +325,21 @@ class NothingToScore(LookupError):
 
 def score_cycle(
     data_dir: Path, cycle: int, *, tasks: Mapping[str, Any] | None = None, sandbox: Sandbox | None = None,
-    workers: int | None = None,
+    workers: int | None = None, iteration: int = 1,
 ) -> tuple[VerifyReport, Path, pa.Table]:
-    """Verify the stored rollouts of `cycle` and write its rewards table (rescoring overwrites)."""
-    source = rollouts_path(data_dir, cycle)
+    """Verify the stored rollouts of `cycle` (its on-policy `iteration`) and write its rewards
+    table (rescoring overwrites)."""
+    source = rollouts_path(data_dir, cycle, iteration)
     if not source.exists():
         known = stored_cycles(data_dir)
-        raise NothingToScore(f"no rollouts for cycle {cycle} at {source}" + (f" (stored cycles: {known})" if known else ""))
+        raise NothingToScore(f"no rollouts for cycle {cycle}" + (f" iteration {iteration}" if iteration > 1 else "")
+                             + f" at {source}" + (f" (stored cycles: {known})" if known else ""))
     rollouts = read_table(source, ROLLOUTS)
     truth = tasks if tasks is not None else load_ground_truth(data_dir)
     report = verify_rollouts(rollouts, truth, sandbox=sandbox, workers=workers)
     bound = table_hash(rollouts)  # the learner checks the rewards were computed for this very table
     for row in report.rows:
         row["rollouts_hash"] = bound
-    target = rewards_path(data_dir, cycle)
+    target = rewards_path(data_dir, cycle, iteration)
     table = write_table(report.rows, REWARDS, target)
     return report, target, table

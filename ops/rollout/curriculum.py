@@ -32,7 +32,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field
 
 from ops.common.tables import REWARDS, ROLLOUTS, read_table, rollout_source
-from ops.reward.scoring import rewards_path, rollouts_path, stored_cycles
+from ops.reward.scoring import rewards_path, rollouts_path, stored_cycles, stored_iterations
 from ops.tasks.task_world import Task
 
 
@@ -56,7 +56,7 @@ class TaskRecord:
 
     attempts: int = 0
     passes: int = 0
-    fail_streak: int = 0  # consecutive most recent groups (one per cycle) in which every sample failed
+    fail_streak: int = 0  # consecutive most recent groups (one per cycle and iteration) in which every sample failed
 
     def add_group(self, rewards: list[float]) -> None:
         self.attempts += len(rewards)
@@ -86,18 +86,22 @@ class History:
 EMPTY_HISTORY = History({}, {}, ())
 
 
-def read_history(data_dir: Path, before_cycle: int, cycles: int) -> History:
+def read_history(data_dir: Path, before_cycle: int, cycles: int, current_iterations: int = 0) -> History:
     """Per task and per family: policy samples and passes over the last `cycles` stored cycles
-    before `before_cycle` that have both rollouts and rewards. Reference rows and rewards lost to
-    an infrastructure failure are not the policy's outcomes and are not counted."""
+    before `before_cycle` that have both rollouts and rewards (every on-policy iteration of each),
+    and over the first `current_iterations` iterations of `before_cycle` itself (a later iteration
+    chooses its tasks knowing what the earlier ones of its cycle found). Reference rows and
+    rewards lost to an infrastructure failure are not the policy's outcomes and are not counted."""
     done = sorted(set(stored_cycles(data_dir, "rollouts")) & set(stored_cycles(data_dir, "verified_rewards")))
     window = [c for c in done if c < before_cycle][-cycles:]
+    tables = [(c, it) for c in window for it in stored_iterations(data_dir, c)]
+    tables += [(before_cycle, it) for it in stored_iterations(data_dir, before_cycle) if it <= current_iterations]
     tasks: dict[str, TaskRecord] = defaultdict(TaskRecord)
     families: dict[str, TaskRecord] = defaultdict(TaskRecord)
-    for c in window:
-        rollouts = read_table(rollouts_path(data_dir, c), ROLLOUTS).select(
+    for c, it in tables:
+        rollouts = read_table(rollouts_path(data_dir, c, it), ROLLOUTS).select(
             ["group_id", "sample_index", "task_id", "family", "source"]).to_pylist()
-        rewards = {(r["group_id"], r["sample_index"]): r for r in read_table(rewards_path(data_dir, c), REWARDS).select(
+        rewards = {(r["group_id"], r["sample_index"]): r for r in read_table(rewards_path(data_dir, c, it), REWARDS).select(
             ["group_id", "sample_index", "reward", "infra_failure"]).to_pylist()}
         groups: dict[str, tuple[str, list[float]]] = {}
         for row in rollouts:

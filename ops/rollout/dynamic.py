@@ -117,8 +117,10 @@ def sample_informative(
     version: int,
     env: Environment | None = None,
     log: Callable[[str], None] = lambda _: None,
+    iteration: int = 1,
 ) -> DynamicBatch:
-    """The cycle's rollouts: rounds of choose, sample, screen, guide (see the module docstring)."""
+    """The cycle's rollouts (of its on-policy `iteration`): rounds of choose, sample, screen,
+    guide (see the module docstring)."""
     start = time.monotonic()
     out = DynamicBatch(rows=[])
     remaining = {t.task_id: t for t in pool}
@@ -130,7 +132,8 @@ def sample_informative(
             break
         t0 = time.monotonic()
         choices = choose_tasks(list(remaining.values()), want, history, cfg.curriculum, guide_after=cfg.guide_after,
-                               group_size=sampling.group_size, seed=f"rollout-tasks:{cycle}:{rnd}")
+                               group_size=sampling.group_size, seed=f"rollout-tasks:{cycle}:{rnd}" if iteration == 1
+                               else f"rollout-tasks:{cycle}.{iteration}:{rnd}")
         tasks = [c.task for c in choices]
         for t in tasks:
             del remaining[t.task_id]
