@@ -79,6 +79,11 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "iterations-2": ("defaults with 2 on-policy iterations per cycle (rollouts by the newest weights, verification, "
                      "a step, twice before eval)", _cycle_config(learner={"iterations": 2})),
     "iterations-3": ("defaults with 3 on-policy iterations per cycle", _cycle_config(learner={"iterations": 3})),
+    "iterations-2-anchors": ("2 on-policy iterations, solved tasks replayed at weight 0.2 and their all-pass groups "
+                             "trained as supervised anchors", _cycle_config({"replay_weight": 0.2},
+                                                                            {"iterations": 2} | _loss(anchor_solved=True))),
+    "iterations-2-lr-half": ("2 on-policy iterations at half the learning rate (2.5e-4)",
+                             _cycle_config(learner={"iterations": 2, "lr": 2.5e-4})),
     "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
                         {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }
@@ -148,13 +153,20 @@ def _overall(summary: dict) -> float | None:
     return summary.get("final_failure_rate")
 
 
-def run_bench(cycles: int = 3, only: list[str] | None = None, log=print) -> dict:
+def run_bench(cycles: int = 3, only: list[str] | None = None, log=print, base: Path | None = None) -> dict:
+    """Every configuration (or `only` those) from one base policy: `base` (a home's models/base)
+    when given, else the one the first configuration's demo bootstraps."""
     names = only or list(CONFIGS)
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown configuration(s) {unknown}; known: {', '.join(CONFIGS)}")
     root = home().ensure().root / "bench" / "learning"
-    base: Path | None = None
+    if base is not None and Path(base).resolve().is_relative_to(root.resolve()):
+        # a configuration's home is emptied before its demo: keep the given base out of harm's way
+        kept = root.parent / "learning-base"
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.copytree(base, kept)
+        base = kept
     results = []
     for name in names:
         results.append(run_config(name, root, cycles, base, log))

@@ -9,7 +9,7 @@ import time
 import dagster as dg
 import pytest
 
-from ops.bench.cycle import STAGES, combine, compact_line, cycle_breakdown, mlflow_metrics
+from ops.bench.cycle import STAGES, combine, compact_line, cycle_breakdown, mlflow_metrics, stage_times
 
 T0 = 1_700_000_000.0
 
@@ -84,6 +84,23 @@ def test_unfinished_or_skipped_stages_and_reused_learner():
     assert b["cycle_wall_s"] == b["run_wall_s"] and b["outside_run_s"] == 0.0
     with pytest.raises(ValueError):
         cycle_breakdown([])
+
+
+def test_later_on_policy_iterations_are_their_own_part_of_the_learner_stage():
+    records = _records()
+    for r in records:
+        if r.get("step_key") == "policy_checkpoint" and r["event"] == "ASSET_MATERIALIZATION":
+            md = r["metadata"]
+            plain = stage_times("policy_checkpoint", 65.0, md)
+            # the same first iteration, then 30 s more (rollouts, verification, a step) of which 22 s engine compute
+            r["metadata"] = md | {"engine_seconds": md["engine_seconds"] + 22.0,
+                                  "more_iterations": {"wall_s": 30.0, "compute_s": 22.0}}
+    learn = cycle_breakdown(records)["stages"]["policy_checkpoint"]
+    assert learn["compute_s"] == plain["compute_s"] + 22.0 and learn["wall_s"] == 65.0
+    # the first iteration's parts as they would be in a 35 s stage, and the later iterations' 8 s other
+    first = stage_times("policy_checkpoint", 35.0, md)
+    assert learn["other"] == first["other"] | {"more_iterations_other_s": 8.0}
+    assert sum(learn["other"].values()) == pytest.approx(learn["other_s"])
 
 
 def test_combine_metrics_and_line():

@@ -62,3 +62,7 @@ def test_unknown_configuration_is_a_clear_error(capsys, perpetua_home):
     assert "unknown configuration" in capsys.readouterr().err
     assert main(["bench", "learning", "--cycles", "0"]) != 0
     assert "--cycles must be at least 1" in capsys.readouterr().err
+    assert main(["bench", "learning", "--base", str(perpetua_home / "nothing-here")]) != 0
+    assert "no base policy there" in capsys.readouterr().err
+    assert main(["bench", "rollout", "--base", str(perpetua_home)]) != 0
+    assert "--base belongs to" in capsys.readouterr().err

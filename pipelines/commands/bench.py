@@ -28,7 +28,7 @@ def add_arguments(p) -> None:
     p.add_argument("--cycles", type=int, default=3,
                    help="learning: cycles per configuration; cycle: cycles of the demo (default 3)")
     p.add_argument("--base", type=Path, metavar="DIR",
-                   help="cycle only: copy this base policy (a home's models/base) instead of bootstrapping one")
+                   help="cycle and learning: copy this base policy (a home's models/base) instead of bootstrapping one")
     p.add_argument("--learner", choices=["local", "persistent"],
                    help="cycle only: the learner launcher of the demo's cycles (persistent, the default: the "
                         "learner service kept up between cycles; local: a torchrun per step)")
@@ -48,8 +48,10 @@ def run(args) -> int:
         if e.name != module_name:
             raise
         raise UserError(f"benchmark {args.name!r} is not available in this build") from None
-    if args.base is not None and args.name != "cycle":
-        raise UserError("--base belongs to `perpetua bench cycle`")
+    if args.base is not None and args.name not in ("cycle", "learning"):
+        raise UserError("--base belongs to `perpetua bench cycle` and `perpetua bench learning`")
+    if args.base is not None and not (args.base / "hf" / "config.json").is_file():
+        raise UserError(f"--base {args.base}: no base policy there (expected a home's models/base, with hf/config.json)")
     if args.learner is not None and args.name != "cycle":
         raise UserError("--learner belongs to `perpetua bench cycle`")
     if args.name == "learning":
@@ -71,7 +73,8 @@ def _learning(module, args) -> int:
         raise UserError("--cycles must be at least 1")
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
     try:
-        result = module.run_bench(cycles=args.cycles, only=only, log=lambda m: print(m, file=sys.stderr, flush=True))
+        result = module.run_bench(cycles=args.cycles, only=only, base=args.base,
+                                  log=lambda m: print(m, file=sys.stderr, flush=True))
     except (ValueError, RuntimeError) as e:
         raise UserError(str(e)) from None
     if args.json:
