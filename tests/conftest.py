@@ -75,23 +75,34 @@ def repository_tree_stays_clean():
                     f"(and delete these).", pytrace=False)
 
 
-def _learner_services() -> set[int]:
-    """Pids of running persistent learners (their torchrun agents, the process group leaders)."""
+def _home_of(pid: int) -> str:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return ""
+    return next((v[len(b"PERPETUA_HOME="):].decode() for v in environ if v.startswith(b"PERPETUA_HOME=")), "")
+
+
+def _learner_services(under: Path) -> set[int]:
+    """Pids of running persistent learners (their torchrun agents, the process group leaders) of
+    homes under `under`: the tests' own, not those of anything else running on the machine."""
     from ops.serving.supervisor import cmdline
 
     pids = (int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit())
-    return {pid for pid in pids if {b"torch.distributed.run", b"ops.learn.service"} <= set(cmdline(pid))}
+    return {pid for pid in pids if {b"torch.distributed.run", b"ops.learn.service"} <= set(cmdline(pid))
+            and Path(_home_of(pid) or "/").resolve().is_relative_to(under)}
 
 
 @pytest.fixture(autouse=True)
-def no_learner_service_outlives_its_test():
+def no_learner_service_outlives_its_test(tmp_path_factory):
     """A cycle run by a test starts its home's persistent learner, which outlives the run by design
     (`perpetua stop` or the demo ends it); the test's home is gone after the test, so is its learner."""
-    before = _learner_services()
+    under = tmp_path_factory.getbasetemp().resolve()
+    before = _learner_services(under)
     yield
     from ops.serving.supervisor import kill_group
 
-    for pid in _learner_services() - before:
+    for pid in _learner_services(under) - before:
         kill_group(pid, grace_s=5.0)
 
 
