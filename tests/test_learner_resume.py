@@ -170,3 +170,40 @@ def test_step_continues_from_a_named_version_not_the_newest(tmp_path):
             shutil.rmtree(home / "learner" / "step-000001")
         with pytest.raises(LearnerError, match=message):
             run_job(job_for(home, base, data, 2).model_copy(update={"start_version": version}), quiet)
+
+
+def test_killed_between_the_commit_and_the_export_publication(tmp_path):
+    """The HF export is written while the checkpoint is saved, and published only after the
+    checkpoint's commit: a process killed in between leaves the committed step and an export that
+    is written but not published (no `vNNNN/hf` for anything to read); the re-run does not train
+    again and publishes the export the uninterrupted run published, byte for byte."""
+    from ops.common import faults
+    from ops.common.atomic import partial_dir
+    from ops.learn.export import file_hash
+    from ops.learn.job import run_job
+    from ops.learn.world import init_world
+    from ops.policy.checkpoint import latest_complete
+
+    base = random_policy(tmp_path / "base", seed=5)
+    data = write_cycles(tmp_path / "data", (1, 2), seed=30)
+    init_world(1, 0)
+    quiet = lambda m: None  # noqa: E731
+    straight = tmp_path / "straight"
+    run_job(job_for(straight, base, data, 1), quiet)
+    r2 = run_job(job_for(straight, base, data, 2), quiet)
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight / "learner" / "step-000001", resumed / "learner" / "step-000001")
+    shutil.copytree(straight / "policy" / "v0001", resumed / "policy" / "v0001")
+    job2 = job_for(resumed, base, data, 2)
+    p = run_process(job2, tmp_path / "job2.json", **{faults.ENV: faults.LEARNER_BEFORE_EXPORT})
+    assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
+    hf = resumed / "policy" / "v0002" / "hf"
+    assert latest_complete(resumed / "learner").name == "step-000002"  # committed ...
+    assert not hf.exists() and (partial_dir(hf) / "model.safetensors").exists()  # ... its export written, unpublished
+
+    again = run_job(job2, quiet)
+    assert (again["reused"], again["policy_version"], again["hf_dir"]) == (True, 2, str(hf))
+    assert not partial_dir(hf).exists()
+    assert file_hash(hf / "model.safetensors") == file_hash(Path(r2["hf_dir"]) / "model.safetensors")
+    assert (hf / "config.json").read_text() == (Path(r2["hf_dir"]) / "config.json").read_text()

@@ -1,16 +1,21 @@
 """The persistent learner (ops/learn/service.py) on the real engines: two ranks under torchrun,
-expert parallelism 2, gloo. Three steps through the service equal three cold steps (`python -m
-ops.learn.main` under torchrun, as a cycle launches it) bit for bit: two in a row on one service,
-and one after that service was SIGKILLed, on a new one that resumes from the checkpoint; a bad job is the job's failure
-(exit code 2) and the service serves on; `perpetua stop` ends it."""
+expert parallelism 2, gloo. Four steps through the service equal four cold steps (`python -m
+ops.learn.main` under torchrun, as a cycle launches it) bit for bit (losses, router statistics,
+every checkpoint tensor: model, optimizer, each rank's RNG; the export): three in a row on one
+service, the second and third on the learner it kept in memory, and one after that service was
+SIGKILLed, on a new one that resumes from the checkpoint; a bad job is the job's failure (exit
+code 2) and the service serves on; `perpetua stop` ends it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import time
 from pathlib import Path
+
+import torch
 
 from ops.common.paths import Home
 from ops.common.tables import REWARDS, ROLLOUTS, write_table
@@ -46,10 +51,28 @@ def _cold(job: Path) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-def _outcome(root: Path, step: int) -> tuple[str, list]:
-    result = json.loads((root / f"result-{step}.json").read_text())
-    weights = root / "policy" / f"v{result['policy_version']:04d}" / "hf" / "model.safetensors"
-    return file_hash(weights), [{k: u[k] for k in ("loss", "pg_loss", "grad_norm", "entropy")} for u in result["history"]]
+def _result(root: Path, step: int) -> dict:
+    return json.loads((root / f"result-{step}.json").read_text())
+
+
+def _outcome(root: Path, step: int) -> tuple:
+    """What must not differ between a service step and a cold one: the export, every update's
+    metrics but timings, the tokens per expert and every checkpoint tensor (model, optimizer, RNG)."""
+    from ops.policy import hf_convert
+    from ops.policy.checkpoint import load_model_tensors
+    from ops.policy.model import PolicyConfig
+    from test_learner_warm import checkpoint_tensors, update_metrics
+
+    result = _result(root, step)
+    hf_dir = root / "policy" / f"v{result['policy_version']:04d}" / "hf"
+    exported = hf_convert.load_hf_tensors(hf_dir)  # every expert; rank 1 holds half of them
+    saved = hf_convert.megatron_to_hf(PolicyConfig(**json.loads((Path(result["checkpoint"]) / "meta.json").read_text())
+                                                   ["policy_config"]), load_model_tensors(Path(result["checkpoint"])))
+    assert exported.keys() == saved.keys() and all(torch.equal(exported[k], saved[k]) for k in saved)
+    tensors = checkpoint_tensors(Path(result["checkpoint"]))
+    assert sum(k.startswith("rng/") for k in tensors) == 2
+    digests = {k: hashlib.sha256(v.contiguous().numpy().tobytes()).hexdigest() for k, v in tensors.items()}
+    return file_hash(hf_dir / "model.safetensors"), update_metrics(result), digests
 
 
 def _ranks(port: int) -> list[int]:
@@ -65,12 +88,12 @@ def test_persistent_learner_steps_equal_cold_steps_across_a_kill(tmp_path, monke
     base = random_policy(tmp_path / "base", seed=1234)
     data = tmp_path / "data"
     data.mkdir()
-    for step, seed in ((1, 3), (2, 4), (3, 5)):
+    for step, seed in ((1, 3), (2, 4), (3, 5), (4, 6)):
         ro, rw = synthetic_tables(6, 4, all_equal_groups=1, seed=seed, cycle=step)
         write_table(ro, ROLLOUTS, data / f"rollouts-{step}.parquet")
         write_table(rw, REWARDS, data / f"rewards-{step}.parquet")
 
-    for step in (1, 2, 3):
+    for step in (1, 2, 3, 4):
         _cold(_job(tmp_path / "cold", base, data, step))
 
     h = Home(tmp_path / "home").ensure()
@@ -79,10 +102,12 @@ def test_persistent_learner_steps_equal_cold_steps_across_a_kill(tmp_path, monke
     warm = tmp_path / "warm"
     try:
         first = service.start(h, nproc_per_node=2, expert_parallel=2)
-        for step in (1, 2):  # one world, two steps
+        for step in (1, 2, 3):  # one world, three steps: the second and third on the learner it kept
             reply = service.step(first, _job(warm, base, data, step), api_key=key)
             assert reply.exit_code == 0 and reply.cpu_seconds > 0, reply
             assert _outcome(warm, step) == _outcome(tmp_path / "cold", step), step
+        assert [_result(warm, step)["restored_from"] for step in (1, 2, 3)] == [str(base), "memory", "memory"]
+        assert _result(tmp_path / "cold", 2)["restored_from"] == str(tmp_path / "cold" / "learner" / "step-000001")
         assert service.start(h, nproc_per_node=2, expert_parallel=2).pid == first.pid
 
         # Killed between cycles: the next step starts a new service, which resumes from the checkpoint.
@@ -96,13 +121,14 @@ def test_persistent_learner_steps_equal_cold_steps_across_a_kill(tmp_path, monke
         assert not any(supervisor.alive(pid) for pid in first_ranks), "ranks outlived their launcher"
         second = service.start(h, nproc_per_node=2, expert_parallel=2)
         assert second.pid != first.pid and not second.reused
-        reply = service.step(second, _job(warm, base, data, 3), api_key=key)
+        reply = service.step(second, _job(warm, base, data, 4), api_key=key)
         assert reply.exit_code == 0, reply
-        assert _outcome(warm, 3) == _outcome(tmp_path / "cold", 3)
+        assert _outcome(warm, 4) == _outcome(tmp_path / "cold", 4)
+        assert _result(warm, 4)["restored_from"] == str(warm / "learner" / "step-000003")
 
         # A job the learner cannot run is the job's failure; the service serves on, and is reused.
         bad = warm / "bad.json"
-        bad.write_text(_job(warm, base, data, 3).read_text().replace("rollouts-3", "missing"))
+        bad.write_text(_job(warm, base, data, 4).read_text().replace("rollouts-4", "missing"))
         reply = service.step(second, bad, api_key=key)
         assert reply.exit_code == 2 and "missing" in reply.error, reply
         again = service.start(h, nproc_per_node=2, expert_parallel=2)

@@ -35,12 +35,29 @@ class TokenizerFiles:
 
 
 def export_policy(policy, full_sd, hf_dir: Path, tokenizer: TokenizerFiles, meta: dict) -> None:
-    """Write the policy of checkpoint `meta` (full megatron state dict) to `hf_dir`."""
+    """Write the policy of checkpoint `meta` (full megatron state dict) to `hf_dir`, published
+    whole or not at all (`ops.common.atomic.exclusive_dir`)."""
+    from ops.common.atomic import exclusive_dir
+
+    with exclusive_dir(Path(hf_dir)) as staged:
+        write_export(policy, full_sd, staged, tokenizer, meta)
+
+
+def write_export(policy, full_sd, out_dir: Path, tokenizer: TokenizerFiles, meta: dict) -> None:
+    """The export's files (as `hf_convert.export_hf` writes them, with the `perpetua_*` lineage
+    fields) into `out_dir`, a directory claimed and published by the caller: the learner step
+    writes them before its checkpoint is committed and publishes them after."""
+    import torch
+    from safetensors.torch import save_file
+
     from ops.policy import hf_convert
 
     extra = {"perpetua_policy_version": meta["policy_version"], "perpetua_parent_policy_version": meta["parent_policy_version"],
              "perpetua_batch_id": meta["batch_id"]}
-    hf_convert.export_hf(policy, full_sd, hf_dir, tokenizer, extra=extra)
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in hf_convert.megatron_to_hf(policy, full_sd).items()}
+    save_file(tensors, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
+    (Path(out_dir) / "config.json").write_text(json.dumps(hf_convert.hf_config(policy, tokenizer) | extra, indent=2))
+    tokenizer.save_pretrained(str(out_dir))
 
 
 def file_hash(path: Path) -> str:

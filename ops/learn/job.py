@@ -6,8 +6,18 @@
    a blocked candidate is not built on), or, on the first step, from the base policy (HF dir or
    DCP checkpoint); the new version is numbered after the newest either way (K_new = newest + 1);
 3. `updates_per_step` optimizer updates; metrics of each go to MLflow from rank 0;
-4. model + optimizer + RNG + counters are saved as checkpoint `step-{K_new}`, then rank 0 exports
-   the new policy in HF format to `export_root/v{K_new:04d}/hf` with `perpetua_policy_version`.
+4. model + optimizer + RNG + counters are saved as checkpoint `step-{K_new}` while rank 0 writes
+   the new policy in HF format for `export_root/v{K_new:04d}/hf` (with `perpetua_policy_version`)
+   on a thread of its own; the export is published only once the checkpoint is committed, so an
+   export never exists without its checkpoint.
+
+A long-lived process (the persistent learner, ops/learn/service.py) passes a `Warm`: the learner
+of its previous step is kept with the identity of the checkpoint it wrote, and the next step
+trains on it instead of building a model and loading that checkpoint, but only when the step
+would start from exactly that checkpoint (`Warm.take` says what is compared). The kept learner
+equals the one a restore would build (weights, optimizer state, counters, entropy coefficient,
+the RNG state the checkpoint recorded), so the step is bit-identical to a cold one
+(tests/test_learner_warm.py, tests/test_learner_service.py).
 
 Re-running a step is safe: a process killed anywhere before the COMPLETE marker leaves the last
 complete checkpoint as it was, so the re-run starts from it and reproduces the same weights; if
@@ -17,7 +27,7 @@ the export is completed if needed and the same result is reported again.
 Fault points (ops/common/faults.py, env PERPETUA_FAULT): `learner.after_update.<k>` kills the
 process after the k-th update of the step; `learner.before_commit` after the checkpoint tensors
 are written but before the COMPLETE marker; `learner.before_export` after the marker, before the
-HF export.
+publication of the HF export (written, not yet visible).
 
 This module imports megatron-core: the process entry (ops.learn.main) imports it only after
 quieting megatron's import-time warnings.
@@ -28,6 +38,8 @@ from __future__ import annotations
 import json
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -36,12 +48,14 @@ import torch
 
 from ops.learn import world
 from ops.learn.batch import TrainingBatch, build_training_batch, read_batch_tables
-from ops.learn.config import LearnerJob
+from ops.learn.config import LearnerConfig, LearnerJob
 from ops.policy.versions import policy_dir
 from ops.learn.errors import LearnerError
-from ops.learn.export import TokenizerFiles, export_policy, parent_data_version
+from ops.learn.export import TokenizerFiles, export_policy, parent_data_version, write_export
 from ops.learn.metrics import scalar_metrics
+from ops.learn.moe_stats import RouterStats
 from ops.common import faults
+from ops.common.atomic import ArtifactConflict, exclusive_dir, fsync_tree
 from ops.learn.step import Learner, StepResult
 from ops.policy import checkpoint, hf_convert
 from ops.policy.model import PolicyConfig
@@ -72,10 +86,11 @@ class _Start:
     staleness: int  # versions between the batch's oldest sampler and version_in
 
 
-def run_job(job: LearnerJob, log=print) -> dict:
+def run_job(job: LearnerJob, log=print, warm: "Warm | None" = None) -> dict:
     """One learner step as described in the module docstring; returns the result (every rank).
 
-    The process-group world must be initialised (`init_world`)."""
+    The process-group world must be initialised (`init_world`). `warm`: the learner a long-lived
+    process kept from its previous step (None: a cold step, which builds and restores one)."""
     t_start = time.perf_counter()
     inputs = _read_inputs(job)
     t_read = time.perf_counter()
@@ -84,9 +99,10 @@ def run_job(job: LearnerJob, log=print) -> dict:
         log(f"learner: checkpoint {latest.name} already holds batch {inputs.batch.batch_id}; not repeating the step")
         result = _reuse(job, inputs, latest)
         wall = time.perf_counter() - t_start  # nothing trained: the recorded phases are the earlier run's
-        return result | {"reused": True, "wall_seconds": wall, "phase_seconds": {"read_inputs": t_read - t_start}}
+        return result | {"reused": True, "restored_from": str(latest), "wall_seconds": wall,
+                         "phase_seconds": {"read_inputs": t_read - t_start}}
 
-    learner, start = _restore(job, inputs, latest)
+    learner, start = _restore(job, inputs, latest, warm)
     t_restore = time.perf_counter()
     _log_start(log, job, inputs.batch, start)
     run_log = _open_run_log(job)
@@ -97,15 +113,122 @@ def run_job(job: LearnerJob, log=print) -> dict:
     result = _step_result(job, inputs.batch, learner, start, step)
     meta = _checkpoint_meta(job, inputs.policy, learner, start, result)
     t_save = time.perf_counter()
-    ckpt = _save_and_export(job, inputs, learner, meta)
+    ckpt, rng = _save_and_export(job, inputs, learner, meta)
     result["wall_seconds"] = time.perf_counter() - t_start
     # Where the step's wall time went (ops/bench/cycle.py): the forward/backward/optimizer time is
     # the updates' step_seconds inside `train`; the rest of `train` is planning and per-update logging.
     result["phase_seconds"] = {"read_inputs": t_read - t_start, "model_build_and_load": t_restore - t_read,
                                "train": step.seconds, "save_and_export": time.perf_counter() - t_save}
+    result["restored_from"] = start.source
     _close_run_log(run_log, inputs.batch, learner, start, ckpt)
     learner.router.close()
+    if warm is not None:
+        warm.keep(learner, job, inputs, ckpt, rng)
     return result
+
+
+# ---- the learner kept between steps --------------------------------------------------------------
+
+MEMORY = "memory"  # `restored_from` of a step that trained on the kept learner
+
+
+@dataclass(frozen=True, eq=False)
+class _Kept:
+    """A learner and the checkpoint it equals, with what that checkpoint was built under."""
+
+    learner: Learner
+    checkpoint: Path
+    fingerprint: tuple  # the checkpoint directory on disk (`_fingerprint`)
+    policy_version: int
+    checkpoint_dir: Path
+    world_size: int
+    expert_parallel: int
+    learner_config: LearnerConfig
+    policy: PolicyConfig
+    pad_id: int
+    rng: torch.Tensor  # this rank's RNG state, as the checkpoint recorded it
+
+
+class Warm:
+    """The learner a long-lived process keeps from one step to the next (ops/learn/service.py).
+
+    Reusing it saves the model build and the checkpoint load; it is reused only where a restore
+    would load exactly the checkpoint it wrote, so the step is the cold step bit for bit. Any
+    doubt (another checkpoint directory or start version, a newer checkpoint, the checkpoint
+    rewritten, another architecture, learner configuration, pad id or world) drops it and the
+    step restores from disk as a cold one does. A step that fails after taking it keeps nothing:
+    its weights may be half-updated."""
+
+    def __init__(self) -> None:
+        self._kept: _Kept | None = None
+
+    @property
+    def held(self) -> Path | None:
+        """The checkpoint the kept learner equals (None: nothing kept)."""
+        return self._kept.checkpoint if self._kept is not None else None
+
+    def keep(self, learner: Learner, job: LearnerJob, inputs: "_Inputs", ckpt: Path, rng: torch.Tensor) -> None:
+        meta = checkpoint.meta(ckpt)
+        self._kept = _Kept(learner, Path(ckpt).resolve(), _fingerprint(ckpt), int(meta["policy_version"]),
+                           Path(job.checkpoint_dir).resolve(), world.world_size(), job.learner.expert_parallel,
+                           job.learner, inputs.policy, inputs.pad_id, rng)
+
+    def take(self, job: LearnerJob, inputs: "_Inputs", latest: Path | None, start_version: int) -> Learner | None:
+        """The kept learner, ready to train, when this step starts from the very checkpoint it
+        wrote; else None, and it is dropped. Collective: the ranks agree, so no rank restores from
+        disk (collectives of its own) while another trains on its kept learner."""
+        kept, self._kept = self._kept, None
+        fits = kept is not None and _fits(kept, job, inputs, latest, start_version)
+        if world.world_size() > 1:
+            import torch.distributed as dist
+
+            votes: list = [None] * world.world_size()
+            dist.all_gather_object(votes, fits)
+            fits = all(votes)
+        if not fits:
+            if kept is not None:
+                del kept
+                _collect()
+            return None
+        learner = kept.learner
+        learner.router = RouterStats(learner.gpt, inputs.policy.num_experts)  # its hooks closed with the last step
+        learner.reference = None  # a restore loads the reference policy afresh (its build reseeds the RNG)
+        learner.optimizer.weights_loaded()  # as a restore does after loading (megatron's master weights)
+        torch.set_rng_state(kept.rng)
+        return learner
+
+
+def _collect() -> None:
+    """Free a dropped learner's model and optimizer before another is built (DDP and the optimizer
+    hold reference cycles)."""
+    import gc
+
+    gc.collect()
+
+
+def _fingerprint(ckpt: Path) -> tuple:
+    """What identifies a committed checkpoint on disk: its directory and COMPLETE marker (a step
+    rewritten or replaced has other inodes) and its meta.json (versions, batch, result)."""
+    marker = (Path(ckpt) / checkpoint.COMPLETE).stat()
+    return (Path(ckpt).stat().st_ino, marker.st_ino, marker.st_mtime_ns, (Path(ckpt) / "meta.json").read_bytes())
+
+
+def _fits(kept: _Kept, job: LearnerJob, inputs: "_Inputs", latest: Path | None, start_version: int) -> bool:
+    """Would a restore for this step load exactly the checkpoint the kept learner equals?"""
+    if latest is None or Path(latest).resolve() != kept.checkpoint or start_version != kept.policy_version:
+        return False
+    if Path(job.checkpoint_dir).resolve() != kept.checkpoint_dir:
+        return False
+    if (world.world_size(), job.learner.expert_parallel) != (kept.world_size, kept.expert_parallel):
+        return False
+    if job.learner != kept.learner_config or inputs.pad_id != kept.pad_id:
+        return False
+    if inputs.policy.model_dump() != kept.policy.model_dump():
+        return False
+    try:
+        return _fingerprint(latest) == kept.fingerprint
+    except OSError:  # removed meanwhile
+        return False
 
 
 # ---- phases -------------------------------------------------------------------------------------
@@ -134,19 +257,23 @@ def _reuse(job: LearnerJob, inputs: _Inputs, latest: Path) -> dict:
     return meta["result"]
 
 
-def _restore(job: LearnerJob, inputs: _Inputs, latest: Path | None) -> tuple[Learner, _Start]:
+def _restore(job: LearnerJob, inputs: _Inputs, latest: Path | None, warm: Warm | None) -> tuple[Learner, _Start]:
     """The learner with the weights (and optimizer, RNG, counters) the step starts from: the newest
-    checkpoint, or the one of `job.start_version` when given; the init policy when there is none."""
+    checkpoint, or the one of `job.start_version` when given; the init policy when there is none.
+    The learner `warm` kept, instead of a restore, when it equals the checkpoint to load."""
     if latest is not None:
         _check_architecture(latest, inputs.policy, job.init_hf_dir)
-    learner = Learner(inputs.policy, job.learner, inputs.pad_id)
     init_version = (int(checkpoint.meta(job.init_checkpoint).get("policy_version", 0)) if job.init_checkpoint
                     else int(inputs.init_config.get("perpetua_policy_version", 0)))
     newest = int(checkpoint.meta(latest)["policy_version"]) if latest is not None else init_version
     start = job.start_version if job.start_version is not None else newest
     if start > newest:
         raise LearnerError(f"cannot continue from policy v{start}: the newest learner checkpoint holds v{newest}")
-    if latest is not None and start == newest:
+    kept = warm.take(job, inputs, latest, start) if warm is not None else None
+    learner = kept if kept is not None else Learner(inputs.policy, job.learner, inputs.pad_id)
+    if kept is not None:
+        version_in, source = start, MEMORY
+    elif latest is not None and start == newest:
         version_in, source = _resume(learner, latest)
     elif start != init_version:
         path = Path(job.checkpoint_dir) / f"step-{start:06d}"
@@ -267,16 +394,46 @@ def _checkpoint_meta(job: LearnerJob, policy: PolicyConfig, learner: Learner, st
     }
 
 
-def _save_and_export(job: LearnerJob, inputs: _Inputs, learner: Learner, meta: dict) -> Path:
-    """Checkpoint on every rank (committed by the COMPLETE marker), then the HF export from rank 0."""
-    ckpt = checkpoint.save(job.checkpoint_dir, meta["policy_version"], learner.state_dict(), learner.optimizer_state(),
-                           meta, before_commit=lambda: faults.point(faults.LEARNER_BEFORE_COMMIT))
-    faults.point(faults.LEARNER_BEFORE_EXPORT)  # a re-run finds the batch committed and completes the export
-    if world.rank() == 0:
-        full = learner.state_dict() if job.learner.expert_parallel == 1 else checkpoint.load_model_tensors(ckpt)
-        export_policy(inputs.policy, full, Path(meta["hf_dir"]), inputs.tokenizer, meta)
+def _save_and_export(job: LearnerJob, inputs: _Inputs, learner: Learner, meta: dict) -> tuple[Path, torch.Tensor]:
+    """The checkpoint on every rank (committed by its COMPLETE marker) and the HF export by rank 0,
+    written into its claimed `.partial` directory and published after the commit, so no export
+    exists without its checkpoint (a crash in between leaves the batch committed, and a re-run
+    publishes the export from the checkpoint: `_reuse`). Without expert parallelism rank 0 holds
+    every tensor and writes the export on a thread while the checkpoint is saved (the thread runs
+    no collective); with it, the experts of the other ranks are read back from the checkpoint once
+    saved (measured on the embedded policy: cheaper than gathering them to rank 0 first).
+    Returns the checkpoint and the RNG state it recorded."""
+    with ExitStack() as stack:  # unwound in reverse: the writer joined, then the claim published or left
+        staged, refused = None, None
+        if world.rank() == 0:
+            try:
+                staged = stack.enter_context(exclusive_dir(Path(meta["hf_dir"])))
+            except ArtifactConflict as e:
+                refused = str(e)
+        refused = checkpoint.from_rank0(refused)
+        if refused is not None:
+            raise ArtifactConflict(refused)
+        written = None
+        if staged is not None and job.learner.expert_parallel == 1:
+            pool = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="learner-export"))
+            written = pool.submit(_write_export_synced, inputs, learner.state_dict(), staged, meta)
+        rng = torch.get_rng_state()  # what the checkpoint records: nothing below draws from the RNG
+        ckpt = checkpoint.save(job.checkpoint_dir, meta["policy_version"], learner.state_dict(), learner.optimizer_state(),
+                               meta, before_commit=lambda: faults.point(faults.LEARNER_BEFORE_COMMIT))
+        if written is not None:
+            written.result()
+        elif staged is not None:
+            _write_export_synced(inputs, checkpoint.load_model_tensors(ckpt), staged, meta)
+        faults.point(faults.LEARNER_BEFORE_EXPORT)  # a re-run finds the batch committed and publishes the export
     world.barrier()
-    return ckpt
+    return ckpt, rng
+
+
+def _write_export_synced(inputs: _Inputs, full_sd: dict, staged: Path, meta: dict) -> None:
+    """The export's files, on disk (fsynced here, off the main thread where it runs on one, so
+    publishing them after the commit has nothing left to flush)."""
+    write_export(inputs.policy, full_sd, staged, inputs.tokenizer, meta)
+    fsync_tree(staged)
 
 
 def _close_run_log(run_log, batch: TrainingBatch, learner: Learner, start: _Start, ckpt: Path) -> None:

@@ -70,13 +70,14 @@ def user_errors() -> tuple[type[Exception], ...]:
     return (BatchError, LearnerError, ValidationError, FileNotFoundError)
 
 
-def run_and_report(job, rank: int, pipes) -> dict:
+def run_and_report(job, rank: int, pipes, warm=None) -> dict:
     """One learner step on an initialised world; rank 0 writes the result file and reports the
-    materialization to Dagster Pipes (when `pipes`)."""
+    materialization to Dagster Pipes (when `pipes`). `warm`: the learner service's `ops.learn.job.Warm`
+    (this process's cold step has none)."""
     from ops.learn.export import file_hash
     from ops.learn.job import run_job
 
-    result = run_job(job, _logger(rank, pipes))
+    result = run_job(job, _logger(rank, pipes), warm)
     if rank == 0:
         if job.result_path is not None:
             job.result_path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,8 +19,13 @@ children, so the cost meter is told).
 
 Every step starts from the newest complete checkpoint, exactly as a cold step does, so a
 service that dies or is stopped between cycles changes nothing: the next step starts a new one,
-which resumes bit-exactly. (Keeping the model and optimizer in memory between steps would save
-the checkpoint load too: 0.1 s for the embedded policy, more at cluster scale; not done.)
+which resumes bit-exactly. Every rank keeps its learner (model, optimizer, counters, RNG) from one
+step to the next (`ops.learn.job.Warm`) and trains on it instead of building a model and loading
+the checkpoint it has just written, where that checkpoint is still the one the step would load;
+otherwise the step restores from disk. The result says which (`restored_from`: "memory" or the
+checkpoint or policy loaded). Each step's checkpoint and export are on disk before it is answered,
+so nothing is in flight between steps and stopping the service loses nothing. The kept learner
+holds its model and optimizer memory between cycles.
 
 While idle, rank 0 broadcasts a heartbeat every few seconds, so the other ranks' pending
 collective never times out; every rank exits when its torchrun launcher is gone. A step that fails on the job's fault (bad job, bad batch) is
@@ -206,8 +211,9 @@ def _cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _run_step(request: dict, rank: int, expert_parallel: int) -> tuple[int, str, float]:
-    """The job of `request` on this rank, as `ops.learn.main` runs it; (exit code, error, CPU s)."""
+def _run_step(request: dict, rank: int, expert_parallel: int, warm) -> tuple[int, str, float]:
+    """The job of `request` on this rank, as `ops.learn.main` runs it, on the learner `warm` kept
+    from the previous step where it fits (ops.learn.job.Warm); (exit code, error, CPU s)."""
     import torch.distributed as dist
 
     from ops.learn.config import LearnerJob
@@ -228,7 +234,7 @@ def _run_step(request: dict, rank: int, expert_parallel: int) -> tuple[int, str,
                 raise LearnerError(f"the learner service runs expert_parallel={expert_parallel}, the job asks for "
                                    f"{job.learner.expert_parallel}: start the service with that shape")
             seed_everything(job.learner.seed)  # what a fresh process's init_world does
-            run_and_report(job, rank, pipes)
+            run_and_report(job, rank, pipes, warm)
         except errors as e:
             report_user_error(e, pipes)
             code, error = 2, str(e)
@@ -259,11 +265,12 @@ def serve(port: int, expert_parallel: int) -> int:
     quiet_known_warnings()  # before megatron-core is imported
     import torch.distributed as dist
 
-    importlib.import_module("ops.learn.job")  # the imports a cold step pays for (megatron-core, ...), paid once
+    job_module = importlib.import_module("ops.learn.job")  # the imports a cold step pays for (megatron-core, ...), paid once
     from ops.learn.world import init_world
 
     init_world(expert_parallel, 0)
     rank = dist.get_rank()
+    warm = job_module.Warm()
     inbox, server = _Inbox(), None
     if rank == 0:
         from ops.serving.api_key import api_key
@@ -285,7 +292,7 @@ def serve(port: int, expert_parallel: int) -> int:
             continue
         began = time.perf_counter()
         try:
-            code, error, cpu = _run_step(box[0], rank, expert_parallel)
+            code, error, cpu = _run_step(box[0], rank, expert_parallel, warm)
         except BaseException as e:  # the ranks may now disagree: answer, then leave
             if item is not None:
                 item[1].put({"exit_code": 1, "error": f"{type(e).__name__}: {e}", "cpu_seconds": 0.0,

@@ -128,10 +128,10 @@ def save(directory: Path, step: int, model_sd: dict, optim_state: dict | None = 
                 partial = claim.enter_context(exclusive_dir(final, replace=replace))
             except ArtifactConflict as e:
                 refused = str(e)
-        refused = _from_rank0(refused)
+        refused = from_rank0(refused)
         if refused is not None:
             raise ArtifactConflict(refused)
-        partial = _from_rank0(str(partial) if partial is not None else None)
+        partial = from_rank0(str(partial) if partial is not None else None)
         state = {"model": model_sd, "rng": {f"rank{rank}": torch.get_rng_state()}}
         if optim_state is not None:
             state["optim"] = optim_state
@@ -147,8 +147,8 @@ def save(directory: Path, step: int, model_sd: dict, optim_state: dict | None = 
     return final
 
 
-def _from_rank0(value: str | None) -> str | None:
-    """Rank 0's `value` on every rank."""
+def from_rank0(value: str | None) -> str | None:
+    """Rank 0's `value` on every rank (a collective in a multi-rank world)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return value
     box = [value]

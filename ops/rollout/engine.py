@@ -20,6 +20,10 @@ Two guarantees live here, in the base class, so no backend can forget them:
 
 Token-in/token-out: prompts are token ids and outputs are token ids; no text is re-tokenized,
 so the learner trains on exactly the tokens the behaviour policy sampled.
+
+A refit loads the whole export, not only the tensors that changed: the learner updates every
+parameter, so between two consecutive versions of the embedded policy every tensor differs
+(measured after learner steps of 4 updates: 41 of 41 tensors, 15.2 of 15.2 MB, 99.97% of the elements).
 """
 
 from __future__ import annotations
