@@ -68,8 +68,12 @@ def test_a_failed_node_ends_the_others_after_the_grace_period():
 
     from ops.learn.launch import start_process, wait_nodes
 
+    # The stand-in for a healthy node's launcher takes SIGTERM's default action itself, as torchrun
+    # handles it: a disposition of "ignored" is inherited through exec, and a test run before this
+    # one in the same process may have left SIGTERM ignored.
+    healthy = [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_DFL); time.sleep(60)"]
     began = time.monotonic()
-    procs = [start_process(["sleep", "60"], os.environ), start_process(["sh", "-c", "sleep 0.3; exit 3"], os.environ),
+    procs = [start_process(healthy, os.environ), start_process(["sh", "-c", "sleep 0.3; exit 3"], os.environ),
              start_process(["true"], os.environ)]
     assert wait_nodes(procs, grace_s=0.5, poll_s=0.05) == [(1, 3), (0, -15)]  # ended by SIGTERM
     assert time.monotonic() - began < 5
