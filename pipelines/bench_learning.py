@@ -84,6 +84,8 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                                                             {"iterations": 2} | _loss(anchor_solved=True))),
     "iterations-2-lr-half": ("2 on-policy iterations at half the learning rate (2.5e-4)",
                              _cycle_config(learner={"iterations": 2, "lr": 2.5e-4})),
+    "iterations-2-kl": ("2 on-policy iterations with a KL penalty (0.05) toward the base policy",
+                        _cycle_config(learner={"iterations": 2} | _loss(kl_coef=0.05))),
     "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
                         {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }
