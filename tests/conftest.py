@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -83,26 +84,36 @@ def _home_of(pid: int) -> str:
     return next((v[len(b"PERPETUA_HOME="):].decode() for v in environ if v.startswith(b"PERPETUA_HOME=")), "")
 
 
-def _learner_services(under: Path) -> set[int]:
+TEST_HOME_PREFIX = "perpetua-"  # homes tests make with tempfile.mkdtemp (short paths, e.g. for PostgreSQL)
+
+
+def _test_home(home: str, basetemp: Path) -> bool:
+    """A home a test made: under pytest's base temp dir, or a `perpetua-*` folder of the system's."""
+    path = Path(home or "/").resolve()
+    temp = Path(tempfile.gettempdir()).resolve()
+    return path.is_relative_to(basetemp) or (path.parent == temp and path.name.startswith(TEST_HOME_PREFIX))
+
+
+def _learner_services(basetemp: Path) -> set[int]:
     """Pids of running persistent learners (their torchrun agents, the process group leaders) of
-    homes under `under`: the tests' own, not those of anything else running on the machine."""
+    the tests' homes, not of anything else running on the machine."""
     from ops.serving.supervisor import cmdline
 
     pids = (int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit())
     return {pid for pid in pids if {b"torch.distributed.run", b"ops.learn.service"} <= set(cmdline(pid))
-            and Path(_home_of(pid) or "/").resolve().is_relative_to(under)}
+            and _test_home(_home_of(pid), basetemp)}
 
 
 @pytest.fixture(autouse=True)
 def no_learner_service_outlives_its_test(tmp_path_factory):
     """A cycle run by a test starts its home's persistent learner, which outlives the run by design
     (`perpetua stop` or the demo ends it); the test's home is gone after the test, so is its learner."""
-    under = tmp_path_factory.getbasetemp().resolve()
-    before = _learner_services(under)
+    basetemp = tmp_path_factory.getbasetemp().resolve()
+    before = _learner_services(basetemp)
     yield
     from ops.serving.supervisor import kill_group
 
-    for pid in _learner_services(under) - before:
+    for pid in _learner_services(basetemp) - before:
         kill_group(pid, grace_s=5.0)
 
 
