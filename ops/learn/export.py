@@ -36,28 +36,24 @@ class TokenizerFiles:
 
 def export_policy(policy, full_sd, hf_dir: Path, tokenizer: TokenizerFiles, meta: dict) -> None:
     """Write the policy of checkpoint `meta` (full megatron state dict) to `hf_dir`, published
-    whole or not at all (`ops.common.atomic.exclusive_dir`)."""
-    from ops.common.atomic import exclusive_dir
+    whole or not at all (`hf_convert.export_hf`)."""
+    from ops.policy import hf_convert
 
-    with exclusive_dir(Path(hf_dir)) as staged:
-        write_export(policy, full_sd, staged, tokenizer, meta)
+    hf_convert.export_hf(policy, full_sd, hf_dir, tokenizer, extra=_lineage_fields(meta))
 
 
 def write_export(policy, full_sd, out_dir: Path, tokenizer: TokenizerFiles, meta: dict) -> None:
-    """The export's files (as `hf_convert.export_hf` writes them, with the `perpetua_*` lineage
-    fields) into `out_dir`, a directory claimed and published by the caller: the learner step
-    writes them before its checkpoint is committed and publishes them after."""
-    import torch
-    from safetensors.torch import save_file
-
+    """The same files into `out_dir`, a directory claimed and published by the caller: the learner
+    step writes them before its checkpoint is committed and publishes them after."""
     from ops.policy import hf_convert
 
-    extra = {"perpetua_policy_version": meta["policy_version"], "perpetua_parent_policy_version": meta["parent_policy_version"],
-             "perpetua_batch_id": meta["batch_id"]}
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in hf_convert.megatron_to_hf(policy, full_sd).items()}
-    save_file(tensors, str(Path(out_dir) / "model.safetensors"), metadata={"format": "pt"})
-    (Path(out_dir) / "config.json").write_text(json.dumps(hf_convert.hf_config(policy, tokenizer) | extra, indent=2))
-    tokenizer.save_pretrained(str(out_dir))
+    hf_convert.write_hf(policy, full_sd, out_dir, tokenizer, extra=_lineage_fields(meta))
+
+
+def _lineage_fields(meta: dict) -> dict:
+    """The `perpetua_*` fields an exported policy's config.json carries (its version and parent)."""
+    return {"perpetua_policy_version": meta["policy_version"], "perpetua_parent_policy_version": meta["parent_policy_version"],
+            "perpetua_batch_id": meta["batch_id"]}
 
 
 def file_hash(path: Path) -> str:

@@ -174,16 +174,25 @@ def export_hf(cfg: PolicyConfig, megatron_sd: dict[str, torch.Tensor], out_dir: 
     an export never replaces another writer's: that raises ArtifactConflict. `replace` swaps an
     existing export for this one (a rebuilt base policy, a scratch export).
     """
+    out_dir = Path(out_dir)
+    with exclusive_dir(out_dir, replace=replace) as tmp:
+        write_hf(cfg, megatron_sd, tmp, tokenizer, extra)
+    return out_dir
+
+
+def write_hf(cfg: PolicyConfig, megatron_sd: dict[str, torch.Tensor], out_dir: Path, tokenizer=None,
+             extra: dict | None = None) -> None:
+    """The files of an HF Mixtral directory, written into `out_dir` as it is: a directory the
+    caller has claimed and publishes (`export_hf` does both; the learner publishes its export only
+    once its checkpoint is committed, ops/learn/job.py)."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
-    with exclusive_dir(out_dir, replace=replace) as tmp:
-        tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in megatron_to_hf(cfg, megatron_sd).items()}
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config(cfg, tokenizer) | (extra or {}), indent=2))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp))
-    return out_dir
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in megatron_to_hf(cfg, megatron_sd).items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(hf_config(cfg, tokenizer) | (extra or {}), indent=2))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out_dir))
 
 
 def load_hf_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
