@@ -33,8 +33,7 @@ def cycle_of(context, explicit: int | None = None, upstream: str | None = None,
     if tag is not None:
         return int(tag)
     if upstream is not None:
-        event = context.instance.get_latest_materialization_event(dg.AssetKey(upstream))
-        cycle = event.asset_materialization.metadata.get("cycle") if event and event.asset_materialization else None
+        cycle = latest_metadata(context, upstream).get("cycle")
         if cycle is not None:
             return int(cycle.value)
     if stored is not None:
@@ -47,6 +46,15 @@ def cycle_of(context, explicit: int | None = None, upstream: str | None = None,
         dg.RunsFilter(job_name=CYCLE_JOB, created_before=run.create_timestamp)
     ) if run else 0
     return before + 1
+
+
+def latest_metadata(context, asset_key: str, run_ids: set[str] | None = None) -> dict:
+    """The metadata of `asset_key`'s newest materialization ({} when there is none, or when
+    `run_ids` is given and that materialization is not one of theirs)."""
+    event = context.instance.get_latest_materialization_event(dg.AssetKey(asset_key))
+    if event is None or event.asset_materialization is None or (run_ids is not None and event.run_id not in run_ids):
+        return {}
+    return event.asset_materialization.metadata
 
 
 def chain_root(run) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 import dagster as dg
 from pydantic import Field
 
-from assets.cycle import cycle_of
+from assets.cycle import cycle_of, latest_metadata
 from assets.cycle_run import cycle_run_id
 from assets.metering import cost_metadata, metered
 from assets.resources import MlflowTracking, PolicyLineage, PolicyServer
@@ -282,8 +282,7 @@ class _Step:
 
 def _rollouts_config(context, cycle: int):
     """The settings the `rollouts` asset sampled this cycle with, so later iterations sample alike."""
-    event = context.instance.get_latest_materialization_event(dg.AssetKey("rollouts"))
-    md = event.asset_materialization.metadata if event is not None and event.asset_materialization else {}
+    md = latest_metadata(context, "rollouts")
     if "rollouts_config" not in md or int(md["cycle"].value) != cycle:
         raise dg.Failure(f"more on-policy iterations need cycle {cycle}'s rollouts settings, recorded by its `rollouts` "
                          "materialization: materialize rollouts for that cycle first (or set iterations: 1)")

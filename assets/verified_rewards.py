@@ -18,7 +18,7 @@ import os
 import dagster as dg
 from pydantic import Field
 
-from assets.cycle import cycle_of
+from assets.cycle import cycle_of, latest_metadata, own_run_ids
 from assets.cycle_run import cycle_run_id
 from assets.metering import cost_metadata, metered
 from assets.resources import MlflowTracking
@@ -140,10 +140,9 @@ def score_iteration(context, mlflow: MlflowTracking, cycle: int, iteration: int 
 
 
 def _checked_rewards(context) -> tuple[int, list[dict]]:
-    """The rows the checks look at: the table the asset's latest materialization wrote (a cycle's
-    first iteration, or the one `perpetua rescore` re-scored), else the latest stored cycle's."""
-    event = context.instance.get_latest_materialization_event(dg.AssetKey("verified_rewards"))
-    md = event.asset_materialization.metadata if event is not None and event.asset_materialization else {}
+    """The rows the checks look at: the table this run's materialization of the asset wrote (a
+    cycle's first iteration, or the one `perpetua rescore` re-scored), else the run's cycle's."""
+    md = latest_metadata(context, "verified_rewards", own_run_ids(context))
     if "path" in md and "cycle" in md:
         cycle, path = int(md["cycle"].value), md["path"].value
     else:
