@@ -41,6 +41,9 @@ class RolloutsConfig(dg.Config):
     curriculum: bool = Field(default=True, description="Weight tasks by estimated pass rate (False = uniform).")
     replay_weight: float = Field(default=0.05, gt=0, le=1, description="Curriculum weight floor: how often a solved "
                                  "task is replayed next to an uncertain one (weight up to 1).")
+    rehearsal_tasks: int = Field(default=0, ge=0, description="Reference solutions of this many unchosen tasks of solved "
+                                 "families (bootstrap, or passed at 0.8 or more) added as rows the learner trains by "
+                                 "its supervised term alone, against forgetting (0 = none).")
     temperature: float = Field(default=1.0, description="Sampling temperature (> 0; the learner tempers its logits the same).")
     top_p: float = Field(default=1.0, description="Must stay 1: the learner does not renormalize a nucleus.")
     max_tokens: int = 64
@@ -69,6 +72,7 @@ def dynamic_config(config: RolloutsConfig) -> DynamicSamplingConfig:
     return DynamicSamplingConfig(
         max_tasks=config.max_tasks, min_informative_groups=config.min_informative_groups,
         max_rounds=config.max_rounds, max_groups=config.max_groups, guide_after=config.guide_after,
+        rehearsal_tasks=config.rehearsal_tasks,
         curriculum=CurriculumConfig(enabled=config.curriculum, min_weight=config.replay_weight))
 
 
@@ -126,7 +130,8 @@ def sample_iteration(context, config: RolloutsConfig, trainer_server: PolicyServ
         "environment": dg.MetadataValue.json(env.identity()),
         "rollouts": len(batch.rows),
         "policy_rollouts": len(policy_rows),
-        "reference_rollouts": len(batch.rows) - len(policy_rows),
+        "reference_rollouts": len(batch.rows) - len(policy_rows) - len(batch.rehearsal_tasks),
+        "rehearsal_rollouts": len(batch.rehearsal_tasks),
         "groups": batch.groups,
         "informative_groups": batch.informative_groups,
         "guided_groups": len(batch.guided_tasks),

@@ -23,6 +23,8 @@ class TrainingTasksConfig(dg.Config):
     replay_ratio: float = Field(default=1.0, description="Replay tasks per new failure task.")
     min_replay: int = Field(default=16, description="At least this many replay tasks.")
     bootstrap_share: float = Field(default=0.5, description="Share of replay from bootstrap families.")
+    variants_per_failure: int = Field(default=0, ge=0, description="Generated train tasks of a new failure's family "
+                                      "per new train failure (0 = none).")
 
 
 @dg.asset(
@@ -39,13 +41,14 @@ def training_tasks(context: dg.AssetExecutionContext, config: TrainingTasksConfi
         replay_ratio=config.replay_ratio,
         min_replay=config.min_replay,
         bootstrap_share=config.bootstrap_share,
+        variants_per_failure=config.variants_per_failure,
     )
     env = home_environment()
     task_set, path = build_and_write_training_tasks(read_failures(), settings, env=env)
     t = task_set.table
     if task_set.unverifiable:
         context.log.warning(f"{len(task_set.unverifiable)} failures have no derivable ground truth and were left out")
-    trace_ids = [tid for ids in t["source_trace_ids"].to_pylist() for tid in ids]
+    trace_ids = list(dict.fromkeys(tid for ids in t["source_trace_ids"].to_pylist() for tid in ids))
     by_split_family = Counter(f"{s}/{f}" for s, f in zip(t["split"].to_pylist(), t["family"].to_pylist()))
     faults.stage_done("training_tasks")
     return dg.MaterializeResult(

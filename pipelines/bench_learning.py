@@ -39,8 +39,10 @@ PLAIN_ROLLOUTS = {"curriculum": False, "min_informative_groups": 0, "max_rounds"
 PLAIN_LEARNER = {"updates_per_step": 2}
 
 
-def _cycle_config(rollouts: dict | None = None, learner: dict | None = None) -> dict:
+def _cycle_config(rollouts: dict | None = None, learner: dict | None = None, tasks: dict | None = None) -> dict:
     ops: dict = {}
+    if tasks:
+        ops["training_tasks"] = {"config": tasks}
     if rollouts:
         ops["rollouts"] = {"config": rollouts}
     if learner:
@@ -86,6 +88,30 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                              _cycle_config(learner={"iterations": 2, "lr": 2.5e-4})),
     "iterations-2-kl": ("2 on-policy iterations with a KL penalty (0.05) toward the base policy",
                         _cycle_config(learner={"iterations": 2} | _loss(kl_coef=0.05))),
+    "rehearsal": ("defaults + reference solutions of 16 solved-family tasks per step, trained by the supervised term "
+                  "alone (PPO-ptx-style rehearsal)", _cycle_config({"rehearsal_tasks": 16})),
+    "iterations-2-rehearsal": ("2 on-policy iterations with rehearsal of 16 solved-family tasks per step",
+                               _cycle_config({"rehearsal_tasks": 16}, {"iterations": 2})),
+    "variants-2": ("defaults + 2 generated train tasks of a new failure's family per new failure",
+                   _cycle_config(tasks={"variants_per_failure": 2})),
+    "variants-2-rehearsal": ("variants-2 + rehearsal of 16 solved-family tasks per step",
+                             _cycle_config({"rehearsal_tasks": 16}, tasks={"variants_per_failure": 2})),
+    "variants-2-rehearsal-iterations-2": ("variants-2 + rehearsal + 2 on-policy iterations per cycle",
+                                          _cycle_config({"rehearsal_tasks": 16}, {"iterations": 2},
+                                                        {"variants_per_failure": 2})),
+    "supervised-16": ("defaults + rehearsal of 16 solved-family tasks + 16 supervised updates on the step's verified "
+                      "written solutions before the policy-gradient updates",
+                      _cycle_config({"rehearsal_tasks": 16}, {"learner_overrides_json": json.dumps({"supervised_updates": 16})})),
+    "supervised-16-variants": ("supervised-16 + 2 variants per new failure",
+                               _cycle_config({"rehearsal_tasks": 16}, {"learner_overrides_json": json.dumps(
+                                   {"supervised_updates": 16})}, {"variants_per_failure": 2})),
+    "supervised-8-rehearsal-48": ("2 variants per new failure, 96 replay tasks, rehearsal of 48 solved-family tasks, "
+                                  "8 supervised updates per step",
+                                  _cycle_config({"rehearsal_tasks": 48}, {"learner_overrides_json": json.dumps(
+                                      {"supervised_updates": 8})}, {"variants_per_failure": 2, "min_replay": 96})),
+    "supervised-4-rehearsal-48": ("as supervised-8-rehearsal-48 with 4 supervised updates per step",
+                                  _cycle_config({"rehearsal_tasks": 48}, {"learner_overrides_json": json.dumps(
+                                      {"supervised_updates": 4})}, {"variants_per_failure": 2, "min_replay": 96})),
     "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
                         {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }

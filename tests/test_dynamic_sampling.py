@@ -158,3 +158,39 @@ def test_history_counts_every_on_policy_iteration(tmp_path, tokenizer, screen):
     within = read_history(tmp_path, before_cycle=2, cycles=4, current_iterations=1)
     assert within.families["add"].attempts == 16 and within.families["mul"].attempts == 8  # cycle 2 iteration 2 not yet
     assert read_history(tmp_path, before_cycle=2, cycles=4).families["add"].attempts == 8
+
+
+def test_rehearsal_adds_verified_solutions_of_solved_families_no_group_sampled(tokenizer):
+    """Rehearsal rows: reference solutions of unchosen tasks of bootstrap families and of families
+    the history passes at the threshold, one group each, verified, seeded; none of an unsolved
+    drift family or of a task a round sampled; no group's place taken, nothing counted informative."""
+    from ops.rollout.curriculum import History, TaskRecord
+
+    add_words = task_world.generate_tasks("add_words", 6, seed=3)
+    sub_words = task_world.generate_tasks("sub_words", 6, seed=3)
+    pool = MUL[:6] + add_words + sub_words
+    truth = {t.task_id: t.to_dict() for t in pool}
+    sandbox = Sandbox()
+    screen = lambda rows: screen_rewards(rows, truth, sandbox=sandbox)  # noqa: E731
+    engine = ScriptedEngine(tokenizer, lambda prompt, r: "ANSWER 0\n")
+    history = History({}, {"add_words": TaskRecord(20, 19), "sub_words": TaskRecord(20, 2)}, (1,))
+    cfg = DynamicSamplingConfig(max_tasks=4, min_informative_groups=0, max_rounds=1, guide_after=0, rehearsal_tasks=5,
+                                curriculum=CurriculumConfig(enabled=False))
+    batch = sample_informative(engine, tokenizer, pool, history, cfg, SamplingConfig(group_size=2), screen,
+                               cycle=2, version=3)
+    sampled = {r["task_id"] for r in batch.rows if r["source"] == "policy"}
+    rehearsed = [r for r in batch.rows if r["source"] == "rehearsal"]
+    assert len(sampled) == batch.groups == 4 and len(rehearsed) == 5 == len(batch.rehearsal_tasks)
+    assert {r["task_id"] for r in rehearsed} == set(batch.rehearsal_tasks) and not sampled & set(batch.rehearsal_tasks)
+    assert {r["family"] for r in rehearsed} <= {"mul", "add_words"}
+    assert len({r["group_id"] for r in rehearsed}) == 5 and not {r["group_id"] for r in rehearsed} & {
+        r["group_id"] for r in batch.rows if r["source"] == "policy"}
+    assert screen(rehearsed) == [1.0] * 5 and batch.informative_groups == 0
+    again = sample_informative(engine, tokenizer, pool, history, cfg, SamplingConfig(group_size=2), screen,
+                               cycle=2, version=3)
+    assert again.rehearsal_tasks == batch.rehearsal_tasks
+    many = cfg.model_copy(update={"rehearsal_tasks": 50})
+    every = sample_informative(engine, tokenizer, pool, history, many, SamplingConfig(group_size=2), screen,
+                               cycle=2, version=3)
+    unsampled = {t.task_id for t in MUL[:6] + add_words} - {r["task_id"] for r in every.rows if r["source"] == "policy"}
+    assert set(every.rehearsal_tasks) == unsampled  # every solved-family task left, when fewer than asked

@@ -250,3 +250,25 @@ def test_all_pass_groups_can_be_kept_as_supervised_anchors():
     assert (anchored.stats.anchor_samples, anchored.stats.reference_samples) == (4, 0)
     assert anchored.stats.informative_samples == plain.stats.informative_samples == plain.stats.samples_kept == 8
     assert [s for s in anchored.samples if s.group_id != groups[0]] == plain.samples
+
+
+def test_rehearsal_rows_are_kept_apart_for_the_supervised_term_when_verified():
+    """A rehearsal row (a solved family's solution in a group of its own) is kept with advantage
+    0, marked for the supervised term, in either reference mode; one whose verification failed is
+    dropped; the policy's groups are trained exactly as without it."""
+    rollouts, rewards = synthetic_tables(groups=3, group_size=4, all_equal_groups=0, seed=23)
+    ro, rw = rollouts.to_pylist(), rewards.to_pylist()
+    for i, (gid, reward) in enumerate((("rehearsal-a", 1.0), ("rehearsal-b", 0.0))):
+        ro.append(dict(ro[0], group_id=gid, task_id=gid, sample_index=4, source="rehearsal",
+                       behaviour_logprobs=[0.0] * len(ro[0]["completion_ids"])))
+        rw.append(dict(rw[0], group_id=gid, task_id=gid, sample_index=4, reward=reward,
+                       outcome="pass" if reward else "fail"))
+    with_rows = (pa.Table.from_pylist(ro, schema=rollouts.schema), pa.Table.from_pylist(rw, schema=rewards.schema))
+    plain = build_training_batch(rollouts, rewards)
+    for in_group in (True, False):
+        batch = build_training_batch(*with_rows, reference_in_group=in_group)
+        rehearsed = [s for s in batch.samples if s.group_id.startswith("rehearsal")]
+        assert [(s.group_id, s.off_policy, s.advantage) for s in rehearsed] == [("rehearsal-a", True, 0.0)]
+        assert (batch.stats.rehearsal_samples, batch.stats.reference_samples) == (1, 0)
+        assert [s for s in batch.samples if not s.group_id.startswith("rehearsal")] == plain.samples
+        assert batch.stats.informative_samples == plain.stats.informative_samples

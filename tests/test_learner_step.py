@@ -195,3 +195,36 @@ def test_adaptive_entropy_bonus_and_reference_rows_in_a_real_step():
     assert first["entropy_coef"] == 0.0 and second["entropy_coef"] == pytest.approx(0.01 * (10.0 - first["entropy"]))
     assert learner.entropy_coef == pytest.approx(min(0.05, second["entropy_coef"] + 0.01 * (10.0 - second["entropy"])))
     assert math.isfinite(second["loss"]) and first["mismatch"] > 0  # random behaviour log-probs on the sampled rows
+
+
+def test_supervised_updates_raise_the_written_solutions_before_the_policy_gradient_ones():
+    """With supervised_updates, the step first makes that many updates on its verified written rows
+    (here one reference row with reward 1 and one rehearsal row) by their NLL alone: the rows'
+    log-probs rise over those updates, the policy-gradient updates follow with logp_old taken from
+    the weights the supervised ones left (their first ratio is 1), and the update numbers run on."""
+    import pyarrow as pa
+
+    rollouts, rewards = synthetic_tables(4, 4, vocab_size=TINY.vocab_size, seed=5)
+    rows, rw = rollouts.to_pylist(), rewards.to_pylist()
+    rows[0]["source"], rows[0]["behaviour_logprobs"] = "reference", [0.0] * len(rows[0]["completion_ids"])
+    rw[0]["reward"] = 1.0
+    rows.append(dict(rows[5], group_id="rehearsal-x", task_id="rehearsal-x", source="rehearsal",
+                     behaviour_logprobs=[0.0] * len(rows[5]["completion_ids"])))
+    rw.append(dict(rw[5], group_id="rehearsal-x", task_id="rehearsal-x", reward=1.0))
+    batch = build_training_batch(pa.Table.from_pylist(rows, schema=rollouts.schema),
+                                 pa.Table.from_pylist(rw, schema=rewards.schema))
+    written = [s for s in batch.samples if s.off_policy]
+    assert len(written) == 2 and batch.stats.rehearsal_samples == 1
+    learner = Learner(TINY, LearnerConfig(lr=1e-3, micro_batch_size=8, seed=3, updates_per_step=2,
+                                          supervised_updates=3))
+    before = learner.sequence_logprobs(written)
+    updates = learner.train_step(batch).updates
+    assert [(u["update"], u["phase"]) for u in updates] == [
+        (1, "supervised"), (2, "supervised"), (3, "supervised"), (4, "policy-gradient"), (5, "policy-gradient")]
+    assert [u["loss"] for u in updates[:3]] == sorted([u["loss"] for u in updates[:3]], reverse=True)  # NLL falls
+    assert all(u["num_tokens"] == sum(s.trained_tokens for s in written) for u in updates[:3])
+    assert updates[3]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # logp_old: the weights after the supervised ones
+    assert learner.optimizer_updates == 5
+    plain = Learner(TINY, LearnerConfig(lr=1e-3, micro_batch_size=8, seed=3, updates_per_step=2))
+    plain.train_step(batch)
+    assert (learner.sequence_logprobs(written) - before).min() > (plain.sequence_logprobs(written) - before).max() - 1e-6

@@ -137,6 +137,30 @@ def test_replay_mixes_earlier_tasks_and_retries_are_idempotent(perpetua_home):
     assert second.harvest_generation == 2
 
 
+def test_variants_widen_each_new_failure_within_the_train_split(perpetua_home):
+    """Each new train failure brings k generated tasks of its family: train split, verified truth,
+    the failure's trace ids, the same for the same failures; held-out failures bring none and
+    the replay count is unchanged."""
+    failures_in = generate_tasks("mod", 30, seed=5)
+    land_failures(failures_in)
+    plain = build_training_tasks(read_failures())
+    wide = build_training_tasks(read_failures(), settings=TrainingTaskConfig(variants_per_failure=3))
+    rows = wide.table.to_pylist()
+    new = [r for r in rows if r["source"] == "failure" and r["split"] == "train"]
+    variants = [r for r in rows if r["source"] == "variant"]
+    assert new and len(variants) == wide.counts["variants"] == 3 * len(new)
+    assert len({r["task_id"] for r in rows}) == len(rows) and not {r["task_id"] for r in variants} & {
+        t.task_id for t in failures_in}
+    assert all(r["split"] == "train" and not is_held_out(r["task_id"]) and r["family"] == "mod" for r in variants)
+    assert all(r["answer"] == calc(r["expression"]) for r in variants)
+    traces = {tid for r in new for tid in r["source_trace_ids"]}
+    assert {tid for r in variants for tid in r["source_trace_ids"]} == traces
+    assert wide.counts["replay_bootstrap"] + wide.counts["replay_previous"] == (
+        plain.counts["replay_bootstrap"] + plain.counts["replay_previous"])
+    assert [r for r in rows if r["source"] != "variant"] == plain.table.to_pylist()
+    assert build_training_tasks(read_failures(), settings=TrainingTaskConfig(variants_per_failure=3)).data_version == wide.data_version
+
+
 def test_failures_of_a_set_no_learner_trained_on_stay_new(perpetua_home):
     """A cycle that failed before its learner step committed must not demote its failures to
     replay: the next set is built on the last set a learner trained on."""

@@ -293,7 +293,8 @@ def trace_ids_of(audit: Audit) -> tuple[list[str], str | None, list[Missing]]:
 def learned_from_of(audit: Audit) -> tuple[list[str], list[str]]:
     """(task ids, production trace ids) the model actually learned from: the tasks of the groups
     whose verified rewards differ in the lineage's rollouts (what the learner kept; a group with a
-    reference solution counts), and the traces those tasks were harvested from. The trace ids of
+    reference solution counts) and the verified rehearsal rows, and the traces those tasks were
+    harvested from. The trace ids of
     `trace_ids_of` are every harvested failure upstream, sampled or not; these are the subset
     that reached a gradient. Tables no longer on disk are skipped (the hops' `missing` says so)."""
     rewards_by_cycle = {h.metadata.get("cycle"): h.metadata.get("path") for h in audit.hops_for(VERIFIED_REWARDS)}
@@ -309,9 +310,15 @@ def learned_from_of(audit: Audit) -> tuple[list[str], list[str]]:
         reward = {(r["group_id"], r["sample_index"]): r["reward"] for r in
                   pq.read_table(rewards, columns=["group_id", "sample_index", "reward"]).to_pylist()}
         values: dict[str, tuple[str, set]] = {}
-        for r in pq.read_table(rollouts, columns=["group_id", "sample_index", "task_id"]).to_pylist():
-            if (key := (r["group_id"], r["sample_index"])) in reward:
-                values.setdefault(r["group_id"], (r["task_id"], set()))[1].add(reward[key])
+        columns = ["group_id", "sample_index", "task_id"]
+        columns += ["source"] if "source" in pq.read_schema(rollouts).names else []
+        for r in pq.read_table(rollouts, columns=columns).to_pylist():
+            if (key := (r["group_id"], r["sample_index"])) not in reward:
+                continue
+            if r.get("source") == "rehearsal":  # a verified solution the learner imitated (ops/learn/batch.py)
+                learned += [r["task_id"]] if reward[key] > 0 else []
+                continue
+            values.setdefault(r["group_id"], (r["task_id"], set()))[1].add(reward[key])
         learned += [task for task, seen in values.values() if len(seen) > 1]
     tasks = list(dict.fromkeys(learned))
     wanted, traces = set(tasks), []

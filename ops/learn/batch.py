@@ -80,6 +80,7 @@ class BatchStats:
     infra_excluded: int = 0  # rollouts left out: their verification was an infrastructure failure
     reference_samples: int = 0  # kept samples that are reference solutions (off-policy guidance)
     anchor_samples: int = 0  # kept successes of all-pass groups, trained by the supervised term only
+    rehearsal_samples: int = 0  # kept rehearsal rows (solved families' solutions), the supervised term only
     informative_samples: int = 0  # kept samples of groups whose rewards differ (policy-gradient signal)
 
     def as_dict(self, prefix: str = "") -> dict:
@@ -164,7 +165,11 @@ def build_training_batch(
     With `anchor_solved` the samples of an all-pass group (a task the policy already solves: no
     policy-gradient signal) are kept too, with advantage 0 and marked like reference rows, so the
     loss trains them by the supervised term alone: replayed solved tasks then hold what the policy
-    has learned while the step trains other families, instead of being dropped."""
+    has learned while the step trains other families, instead of being dropped.
+
+    Rehearsal rows (`source` "rehearsal": reference solutions of solved families' tasks that no
+    group sampled) are always kept apart with advantage 0, like reference rows kept apart, when
+    their verification passed; one that failed it is dropped (nothing unverified is imitated)."""
     cfg = cfg or AdvantageConfig()
     check_binding(rollouts, rewards)
     by_key, reward_of = _join(rollouts, rewards)
@@ -179,19 +184,21 @@ def build_training_batch(
     keys = sorted(by_key)
     _validate(keys, by_key, reward_of, vocab_size, max_length)
     reward = torch.tensor([float(reward_of[k]["reward"]) for k in keys], dtype=torch.float64)
-    reference = [_is_reference_row(by_key[k]) for k in keys]
-    apart = [ref and not reference_in_group for ref in reference]
+    source = [rollout_source(by_key[k]) for k in keys]
+    rehearsal = [s == "rehearsal" and bool(reward[i] > 0) for i, s in enumerate(source)]
+    reference = [s == "reference" or r for s, r in zip(source, rehearsal)]
+    apart = [r or (s == "reference" and not reference_in_group) for s, r in zip(source, rehearsal)]
     # A reference row kept apart is a group of its own (all-equal, so filtered there) and is kept
-    # below regardless, with advantage 0.
-    group_ids = [("reference", *k) if a else k[0] for k, a in zip(keys, apart)]
+    # below regardless, with advantage 0. A rehearsal row always is (only a verified one is kept).
+    group_ids = [("reference", *k) if a or s == "rehearsal" else k[0] for k, a, s in zip(keys, apart, source)]
     adv = group_advantages(reward, group_ids, cfg)
     # A dropped sample is in an all-equal group; with a positive reward the whole group passed.
-    anchor = [anchor_solved and not ref and not bool(adv.keep[i]) and bool(reward[i] > 0)
-              for i, ref in enumerate(reference)]
+    anchor = [anchor_solved and s == "policy" and not bool(adv.keep[i]) and bool(reward[i] > 0)
+              for i, s in enumerate(source)]
     samples = [_sample(key, by_key[key], 0.0 if a or an else float(adv.advantages[i]), float(reward[i]), ref or an)
                for i, (key, ref, a, an) in enumerate(zip(keys, reference, apart, anchor)) if a or an or bool(adv.keep[i])]
     stats = _batch_stats(keys, reward_of, reward, adv, samples, len(infra), anchors=sum(anchor),
-                         informative=int(adv.keep.sum()))
+                         informative=int(adv.keep.sum()), rehearsal=sum(rehearsal))
     return TrainingBatch(samples, stats, batch_id(rollouts, rewards))
 
 
@@ -239,8 +246,9 @@ def _validate(keys, by_key: dict, reward_of: dict, vocab_size: int | None, max_l
         raise BatchError("invalid rollouts: " + "; ".join(problems))
 
 
-def _is_reference_row(r: dict) -> bool:
-    return rollout_source(r) == "reference"
+def _is_written_row(r: dict) -> bool:
+    """A reference or rehearsal row: a solution written into the batch, not sampled by a policy."""
+    return rollout_source(r) in ("reference", "rehearsal")
 
 
 def _sample(key: tuple[str, int], r: dict, advantage: float, reward: float, off_policy: bool = False) -> TrainingSample:
@@ -258,7 +266,7 @@ def _infra_failures(rewards: pa.Table) -> set[tuple[str, int]]:
 
 
 def _batch_stats(keys, reward_of: dict, reward: torch.Tensor, adv: GroupAdvantages, samples: list[TrainingSample],
-                 infra_excluded: int = 0, anchors: int = 0, informative: int = 0) -> BatchStats:
+                 infra_excluded: int = 0, anchors: int = 0, informative: int = 0, rehearsal: int = 0) -> BatchStats:
     kept_rewards = [s.reward for s in samples]
     return BatchStats(
         rollouts=len(keys),
@@ -273,8 +281,9 @@ def _batch_stats(keys, reward_of: dict, reward: torch.Tensor, adv: GroupAdvantag
         tokens=sum(len(s.sequence.ids) for s in samples),
         behaviour_policy_versions=tuple(sorted({s.policy_version for s in samples})),
         infra_excluded=infra_excluded,
-        reference_samples=sum(s.off_policy for s in samples) - anchors,
+        reference_samples=sum(s.off_policy for s in samples) - anchors - rehearsal,
         anchor_samples=anchors,
+        rehearsal_samples=rehearsal,
         informative_samples=informative,
     )
 
@@ -304,7 +313,7 @@ def _validate_rollout(key, r: dict, rw: dict, vocab_size, max_length, problems: 
     temperature, top_p = r.get("temperature"), r.get("top_p")
     if temperature is not None and not temperature > 0:
         problems.append(f"{where}: sampled at temperature {temperature:g}: greedy decoding is not a distribution to train on")
-    if top_p is not None and top_p < 1 and not _is_reference_row(r):
+    if top_p is not None and top_p < 1 and not _is_written_row(r):
         problems.append(f"{where}: sampled with top_p {top_p:g}: the learner scores the full distribution, so training "
                         "rollouts must be sampled with top_p 1")
     if rw["reward"] is None or not math.isfinite(rw["reward"]):

@@ -45,6 +45,14 @@ class LearnerConfig(BaseModel):
               "iterations); logp_old stays the weights at the start of the step, so the ratio and clip act from "
               "the second update on"),
     ] = 1
+    supervised_updates: Annotated[
+        int,
+        Field(ge=0, description="Optimizer updates, before the policy-gradient ones, on the step's verified written "
+              "solutions (reference, rehearsal and anchor rows) by their token-mean NLL alone: rejection-sampling "
+              "fine-tuning on what the policy cannot produce yet. Under Adam a logit moves about lr per update "
+              "whatever the loss weight, so a token the policy never emits (log-prob near -20) needs many updates, "
+              "not a larger coefficient; the policy-gradient updates' logp_old is the weights after these. 0 = none"),
+    ] = 0
     grad_clip: Annotated[float | None, Field(gt=0, description="Clip the global gradient norm to this; None disables")] = 1.0
     expert_parallel: Annotated[
         int, Field(gt=0, description="Expert-parallel ranks (experts split across them); must divide world size and expert count")

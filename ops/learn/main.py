@@ -140,7 +140,7 @@ def materialization_metadata(result: dict, job=None) -> dict:
         "behaviour_staleness": result.get("behaviour_staleness", 0),
         "batch": {"raw_value": result["batch"], "type": "json"},
     }
-    for k in ("samples_kept", "informative_samples", "anchor_samples", "samples_filtered", "groups_total",
+    for k in ("samples_kept", "informative_samples", "anchor_samples", "rehearsal_samples", "samples_filtered", "groups_total",
               "groups_filtered_all_equal", "trained_tokens", "mean_reward"):
         if result["batch"].get(k) is not None:
             md[k] = result["batch"][k]

@@ -44,7 +44,7 @@ from torch import Tensor
 from ops.learn.batch import TrainingBatch, TrainingSample
 from ops.learn.config import LearnerConfig
 from ops.learn.errors import LearnerError
-from ops.learn.loss import adapt_entropy_coef, grpo_loss, token_entropy
+from ops.learn.loss import LossConfig, adapt_entropy_coef, grpo_loss, token_entropy
 from ops.learn.metrics import UpdateSums
 from ops.learn.micro_batches import MicroBatch, collate_rows, plan_micro_batches, row_temperatures
 from ops.learn.moe_stats import AuxLossMeter, RouterStats, set_aux_loss_scale
@@ -72,6 +72,8 @@ class _StepPlan:
     real_global: int  # real micro-batches over all ranks
     logp_ref: list[Tensor | None]  # reference policy log-probs (KL penalty only)
     logp_old: list[Tensor | None]  # the weights at the start of the step; the first update fills them
+    loss: LossConfig  # the step's loss, or the supervised loss of its supervised updates
+    entropy_bonus: bool = True  # the adaptive entropy bonus applies (not to supervised updates)
 
 
 class Learner:
@@ -108,10 +110,17 @@ class Learner:
             return result  # nothing to train on: every group filtered, or no trained token
         result.micro_batches = plan.real_global
         self.ddp.train()
+        supervised = self._supervised_plan(batch.samples) if self.cfg.supervised_updates else None
+        for u in range(self.cfg.supervised_updates if supervised is not None else 0):
+            metrics = self._update(supervised) | {"update": u + 1, "phase": "supervised",
+                                                  "optimizer_step": self.optimizer_updates, "entropy_coef": 0.0}
+            result.updates.append(metrics)
+            if on_update is not None:
+                on_update(metrics)
         for u in range(self.cfg.updates_per_step):
             coef = self.entropy_coef
-            metrics = self._update(plan) | {"update": u + 1, "optimizer_step": self.optimizer_updates,
-                                            "entropy_coef": coef}
+            metrics = self._update(plan) | {"update": len(result.updates) + 1, "phase": "policy-gradient",
+                                            "optimizer_step": self.optimizer_updates, "entropy_coef": coef}
             self.entropy_coef = adapt_entropy_coef(coef, metrics["entropy"], self.cfg.loss)
             result.updates.append(metrics)
             if on_update is not None:
@@ -128,7 +137,21 @@ class Learner:
         mbs = [mb.to(self.device) for mb in plan_micro_batches(samples, self.cfg.micro_batch_size, self.dp_size,
                                                                self.dp_rank, self.pad_id)]
         real_global = math.ceil(len(samples) / self.cfg.micro_batch_size)
-        return _StepPlan(mbs, normalizer, real_global, self._reference_logprobs(mbs), [None] * len(mbs))
+        return _StepPlan(mbs, normalizer, real_global, self._reference_logprobs(mbs), [None] * len(mbs), self.cfg.loss)
+
+    def _supervised_plan(self, samples: list[TrainingSample]) -> _StepPlan | None:
+        """The supervised updates' plan: the verified written solutions of the batch (reference,
+        rehearsal and anchor rows with a positive reward), trained by their token-mean NLL alone;
+        None when the batch holds none. Every rank holds the same batch, so all agree."""
+        written = [s for s in samples if s.off_policy and s.reward > 0]
+        normalizer = loss_normalizer(written, "token-mean")
+        if normalizer == 0:
+            return None
+        mbs = [mb.to(self.device) for mb in plan_micro_batches(written, self.cfg.micro_batch_size, self.dp_size,
+                                                               self.dp_rank, self.pad_id)]
+        loss = LossConfig(off_policy="sft", sft_coef=1.0, aggregation="token-mean", tis_cap=None)
+        return _StepPlan(mbs, normalizer, math.ceil(len(written) / self.cfg.micro_batch_size), [None] * len(mbs),
+                         [None] * len(mbs), loss, entropy_bonus=False)
 
     def _update(self, plan: _StepPlan) -> dict:
         """One optimizer update: forward and backward of every micro-batch, sync, clip, step."""
@@ -160,10 +183,11 @@ class Learner:
         logp = logprobs_from_logits(logits, mb.tokens)
         if plan.logp_old[i] is None:
             plan.logp_old[i] = logp.detach()  # the weights at the start of the step
-        entropy = token_entropy(logits[:, :-1]) if self.entropy_coef > 0 else None
-        loss, stats = grpo_loss(logp, plan.logp_old[i], mb.behaviour, mb.advantages, mb.target_mask, self.cfg.loss,
+        entropy_coef = self.entropy_coef if plan.entropy_bonus else 0.0
+        entropy = token_entropy(logits[:, :-1]) if entropy_coef > 0 else None
+        loss, stats = grpo_loss(logp, plan.logp_old[i], mb.behaviour, mb.advantages, mb.target_mask, plan.loss,
                                 plan.logp_ref[i], loss_normalizer=plan.normalizer, off_policy=mb.off_policy,
-                                entropy=entropy, entropy_coef=self.entropy_coef)
+                                entropy=entropy, entropy_coef=entropy_coef)
         (loss * self.dp_size).backward()
         aux = self.aux_loss.take()
         if mb.real:

@@ -16,6 +16,15 @@ it carries signal:
               another round samples fresh tasks of the pool (deficit / observed informative
               rate, capped), at most `max_rounds` rounds and `max_groups` groups in all.
 
+    rehearsal: after the rounds, `rehearsal_tasks` tasks of solved families that no round chose
+              (the bootstrap families the base policy was fine-tuned on, and families the
+              history passes at `rehearsal_pass_rate` or more) get their reference solution as
+              a row of its own (source "rehearsal"); the learner trains those rows by the
+              supervised term alone, next to the RL loss, so a step that learns one family does
+              not unlearn the others (InstructGPT's PPO-ptx mixes its pre-training gradients
+              into the RL step for the same reason). They take no group's place and count for
+              no family's pass rate.
+
 It never fails for want of signal: when the pool runs dry or the rounds are spent, the batch is
 what was sampled, and `DynamicBatch.exhausted` says why it stopped. Every sampled episode is kept
 as a row (uninformative groups included, each with its round): the verified_rewards stage scores
@@ -27,6 +36,7 @@ rewards stage's score is the one trained on).
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -37,7 +47,7 @@ from pydantic import BaseModel, Field
 from ops.rollout.curriculum import CurriculumConfig, History, TaskChoice, choose_tasks
 from ops.rollout.engine import RolloutEngine
 from ops.rollout.groups import SamplingConfig, generate_groups, reference_rows
-from ops.envs import Environment
+from ops.envs import Environment, get_environment
 from ops.tasks.task_world import Task
 
 # rows -> reward per row (None when the verification itself failed)
@@ -60,6 +70,14 @@ class DynamicSamplingConfig(BaseModel):
                    "in a row (earlier cycles' and this one) failed every sample; 0 = no guidance")
     ] = 1
     reference_samples: Annotated[int, Field(ge=1, description="Reference rows added to a guided group")] = 1
+    rehearsal_tasks: Annotated[
+        int, Field(ge=0, description="Reference solutions of this many unchosen tasks of solved families added as "
+                   "supervised rows of their own (source 'rehearsal'); 0 = none")
+    ] = 0
+    rehearsal_pass_rate: Annotated[
+        float, Field(gt=0, le=1, description="A drift family counts as solved for rehearsal from this pass rate in "
+                     "the history on (bootstrap families always do)")
+    ] = 0.8
     curriculum: Annotated[CurriculumConfig, Field(description="Task weights by estimated pass rate")] = CurriculumConfig()
 
 
@@ -83,6 +101,7 @@ class DynamicBatch:
     rounds: list[RoundStats] = field(default_factory=list)
     choices: list[TaskChoice] = field(default_factory=list)
     guided_tasks: list[str] = field(default_factory=list)
+    rehearsal_tasks: list[str] = field(default_factory=list)
     informative_groups: int = 0
     exhausted: str | None = None  # why refilling stopped short of the target (None = target reached)
     seconds: float = 0.0
@@ -165,8 +184,34 @@ def sample_informative(
         out.exhausted = "max_rounds"
     if out.exhausted and out.informative_groups >= cfg.min_informative_groups:
         out.exhausted = None
+    if cfg.rehearsal_tasks:
+        rehearse = rehearsal_choice(list(remaining.values()), cfg, history, env,
+                                    seed=f"rehearsal:{cycle}" if iteration == 1 else f"rehearsal:{cycle}.{iteration}")
+        rows = _timed(out, "generation_seconds", reference_rows, engine, tokenizer, rehearse, sampling, cycle=cycle,
+                      policy_version=version, sampling_round=len(out.rounds), env=env)
+        for row in rows:
+            row["source"] = "rehearsal"
+        _timed(out, "screening_seconds", screen, rows)
+        out.rows += rows
+        out.rehearsal_tasks = [t.task_id for t in rehearse]
+        log(f"rehearsal: reference solutions of {len(rehearse)} tasks of solved families "
+            f"({', '.join(sorted({t.family for t in rehearse})) or 'none available'})")
     out.seconds = time.monotonic() - start
     return out
+
+
+def rehearsal_choice(candidates: list[Task], cfg: DynamicSamplingConfig, history: History,
+                     env: Environment | None, seed: str) -> list[Task]:
+    """Up to `cfg.rehearsal_tasks` of `candidates` whose family is solved (a bootstrap family, or
+    one the history passes at `rehearsal_pass_rate` or more), a seeded uniform sample in task-id
+    order: the same for the same inputs."""
+    env = env or get_environment()
+    bootstrap = set(env.bootstrap_families)
+    solved = [t for t in sorted(candidates, key=lambda t: t.task_id)
+              if t.family in bootstrap or (t.family in history.families
+                                           and history.family_rate(t.family) >= cfg.rehearsal_pass_rate)]
+    chosen = random.Random(seed).sample(solved, min(cfg.rehearsal_tasks, len(solved)))
+    return sorted(chosen, key=lambda t: t.task_id)
 
 
 def _timed(out: DynamicBatch, field_name: str, fn: Callable, *args, **kwargs):

@@ -11,6 +11,11 @@ Why it is shaped like this:
   the one rule every stage uses) hashes the id, so a task is held out in every cycle, whichever
   source it came from (production failure, bootstrap replay, an eval set); nothing held out can
   reach the train split. `eval_tasks` builds eval sets from held-out tasks only.
+- *Variants widen a failure.* A harvested failure names a gap; a handful of its questions is
+  too few to close it (the policy memorizes them). With `variants_per_failure` k, each new
+  train failure brings k more tasks of its family from the environment's generator, train split
+  only (so held-out tasks stay out of reach), seeded by the failure's id; they carry the
+  failure's trace ids, so the audit still leads from a model back to the traffic that caused it.
 - *Replay against forgetting.* Each cycle trains on the failures that are new since the
   previous task set, mixed with a replay sample of earlier train tasks and of bootstrap-family
   tasks (the SFT distribution), `replay_ratio` replay tasks per new task (at least
@@ -55,7 +60,7 @@ TRAINING_TASKS = pa.schema(
         ("verifier", pa.string()),
         ("verifier_spec", pa.string()),
         ("split", pa.string()),  # train | heldout
-        ("source", pa.string()),  # failure | replay_previous | replay_bootstrap
+        ("source", pa.string()),  # failure | variant | replay_previous | replay_bootstrap
         ("source_trace_ids", pa.list_(pa.string())),  # production traces this task came from
         ("failure_type", pa.string()),  # null for bootstrap replay
         ("last_generation", pa.int32()),  # harvest generation that last saw it fail (null: bootstrap)
@@ -70,6 +75,9 @@ class TrainingTaskConfig(BaseModel):
     min_replay: Annotated[int, Field(ge=0, description="At least this many replay tasks per set.")] = 16
     bootstrap_share: Annotated[float, Field(ge=0.0, le=1.0, description="Share of replay drawn from bootstrap families.")] = 0.5
     bootstrap_pool_per_family: Annotated[int, Field(ge=1, description="Bootstrap tasks generated per family to sample from.")] = 200
+    variants_per_failure: Annotated[
+        int, Field(ge=0, description="Generated train tasks of a new failure's family per new train failure (0 = none).")
+    ] = 0
     seed: Annotated[int, Field(description="Salt of the replay sample.")] = 0
 
 
@@ -158,6 +166,9 @@ def build_training_tasks(
     take_boot = _sample(bootstrap_pool, min(len(bootstrap_pool), n_replay - len(take_prev)), salt)
     for r in take_prev + take_boot:
         rows[r["task_id"]] = r
+    new_failures = [r for r in rows.values() if r["split"] == "train" and r["source"] == "failure"]
+    for r in _variants(new_failures, settings.variants_per_failure, env, taken=rows.keys() | replay_pool.keys()):
+        rows[r["task_id"]] = r
 
     table = pa.Table.from_pylist(sorted(rows.values(), key=lambda r: (r["split"], r["source"], r["task_id"])), schema=TRAINING_TASKS)
     table = table.replace_schema_metadata({**TRAINING_TASKS.metadata, b"perpetua.harvest_generation": str(newest).encode()})
@@ -168,6 +179,7 @@ def build_training_tasks(
             "train": splits.count("train"),
             "heldout": splits.count("heldout"),
             "new_failures": sum(1 for s, src in zip(splits, sources) if s == "train" and src == "failure"),
+            "variants": sources.count("variant"),
             "replay_previous": sources.count("replay_previous"),
             "replay_bootstrap": sources.count("replay_bootstrap"),
         }
@@ -185,6 +197,21 @@ def _consumed_generation(previous: pa.Table | None) -> int:
         return 0
     meta = previous.schema.metadata or {}
     return int(meta.get(b"perpetua.harvest_generation", b"0"))
+
+
+def _variants(failures: list[dict], k: int, env: Environment, taken) -> list[dict]:
+    """k train tasks of each failure's family, generated with the failure's id as the seed (the
+    same failures give the same variants), none already taken or generated for another failure."""
+    out: dict[str, dict] = {}
+    for f in sorted(failures, key=lambda r: r["task_id"]) if k else []:
+        seed = int(hashlib.sha256(f["task_id"].encode()).hexdigest()[:12], 16)
+        fresh = [t for t in env.generate_tasks(f["family"], 4 * k + 8, seed)
+                 if split_of(t.task_id) == "train" and t.task_id not in taken and t.task_id not in out]
+        for t in fresh[:k]:
+            out[t.task_id] = {**env.truth_record(t, "generator"), "split": "train", "source": "variant",
+                              "source_trace_ids": f["source_trace_ids"], "failure_type": f["failure_type"],
+                              "last_generation": f["last_generation"]}
+    return list(out.values())
 
 
 def _bootstrap_row(t: Task, env: Environment) -> dict:
