@@ -112,6 +112,15 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "supervised-4-rehearsal-48": ("as supervised-8-rehearsal-48 with 4 supervised updates per step",
                                   _cycle_config({"rehearsal_tasks": 48}, {"learner_overrides_json": json.dumps(
                                       {"supervised_updates": 4})}, {"variants_per_failure": 2, "min_replay": 96})),
+    "supervised-8-rehearsal-48-kl": ("supervised-8-rehearsal-48 with a KL penalty (0.05) toward the base policy in the "
+                                     "policy-gradient updates",
+                                     _cycle_config({"rehearsal_tasks": 48}, {"learner_overrides_json": json.dumps(
+                                         {"supervised_updates": 8, "loss": {"kl_coef": 0.05}})},
+                                         {"variants_per_failure": 2, "min_replay": 96})),
+    "supervised-8-rehearsal-48-kl-0.2": ("supervised-8-rehearsal-48 with a KL penalty (0.2) toward the base policy",
+                                         _cycle_config({"rehearsal_tasks": 48}, {"learner_overrides_json": json.dumps(
+                                             {"supervised_updates": 8, "loss": {"kl_coef": 0.2}})},
+                                             {"variants_per_failure": 2, "min_replay": 96})),
     "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
                         {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }
