@@ -121,6 +121,11 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                          _cycle_config({"rehearsal_tasks": 48}, {"learner_overrides_json": json.dumps(
                                              {"supervised_updates": 8, "loss": {"kl_coef": 0.2}})},
                                              {"variants_per_failure": 2, "min_replay": 96})),
+    "supervised-8-anchors": ("supervised-8-rehearsal-48 with the policy's own successes of all-pass groups as "
+                             "supervised anchors too (in the supervised updates and the policy-gradient ones)",
+                             _cycle_config({"rehearsal_tasks": 48}, {"learner_overrides_json": json.dumps(
+                                 {"supervised_updates": 8, "loss": {"anchor_solved": True}})},
+                                 {"variants_per_failure": 2, "min_replay": 96})),
     "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
                         {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }
