@@ -293,10 +293,10 @@ def trace_ids_of(audit: Audit) -> tuple[list[str], str | None, list[Missing]]:
 def learned_from_of(audit: Audit) -> tuple[list[str], list[str]]:
     """(task ids, production trace ids) the model actually learned from: the tasks of the groups
     whose verified rewards differ in the lineage's rollouts (what the learner kept; a group with a
-    reference solution counts) and the verified rehearsal rows, and the traces those tasks were
-    harvested from. The trace ids of
-    `trace_ids_of` are every harvested failure upstream, sampled or not; these are the subset
-    that reached a gradient. Tables no longer on disk are skipped (the hops' `missing` says so)."""
+    reference solution counts) and of the verified rehearsal rows, and the traces those tasks
+    were harvested from. The trace ids of `trace_ids_of` are every harvested failure upstream,
+    sampled or not; these are the subset that reached a gradient. Tables no longer on disk are
+    skipped (the hops' `missing` says so)."""
     rewards_by_cycle = {h.metadata.get("cycle"): h.metadata.get("path") for h in audit.hops_for(VERIFIED_REWARDS)}
     tables = [(hop.metadata.get("path"), rewards_by_cycle.get(hop.metadata.get("cycle"))) for hop in audit.hops_for(ROLLOUTS)]
     for hop in audit.hops_for(POLICY_CHECKPOINT):  # a cycle's later on-policy iterations
