@@ -126,6 +126,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                              _cycle_config({"rehearsal_tasks": 48}, {"learner_overrides_json": json.dumps(
                                  {"supervised_updates": 8, "loss": {"anchor_solved": True}})},
                                  {"variants_per_failure": 2, "min_replay": 96})),
+    "supervised-8-anchors-lr-half": ("supervised-8-anchors at half the learning rate (2.5e-4)",
+                                     _cycle_config({"rehearsal_tasks": 48}, {"lr": 2.5e-4, "learner_overrides_json": json.dumps(
+                                         {"supervised_updates": 8, "loss": {"anchor_solved": True}})},
+                                         {"variants_per_failure": 2, "min_replay": 96})),
     "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
                         {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }
