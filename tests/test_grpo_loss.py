@@ -195,6 +195,19 @@ def test_kl_k3_value_and_loss_decomposition():
         grpo_loss(logp, old, old, torch.zeros(2), ONES, cfg)
 
 
+def test_kl_k3_is_clamped_where_the_policy_left_the_reference_far_behind():
+    """A token the reference finds e^15 times likelier than the policy does adds 10 to the penalty
+    (not e^15) and no gradient; the unclamped tokens keep their value and gradient."""
+    logp, old = _batch([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    ref = logp.detach() + torch.tensor([[15.0, 0.5, 0.0], [-30.0, 0.0, 0.0]])
+    cfg = LossConfig(tis_cap=None, kl_coef=1.0)
+    loss, stats = grpo_loss(logp, old, old, torch.zeros(2), ONES, cfg, logp_ref=ref)
+    k3 = lambda d: math.exp(d) - d - 1  # noqa: E731
+    _close(stats.kl, (10.0 + k3(0.5) + min(k3(-20.0), 10.0)) / 6)
+    loss.backward()
+    assert logp.grad[0, 0] == 0.0 and logp.grad[1, 0] == 0.0 and logp.grad[0, 1] != 0.0
+
+
 @pytest.mark.parametrize("cfg", [LossConfig(), LossConfig.gspo(clip_low=0.2, clip_high=0.28)], ids=["token", "sequence"])
 def test_gradient_step_moves_logp_towards_positive_advantage(cfg):
     torch.manual_seed(0)

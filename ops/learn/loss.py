@@ -298,9 +298,13 @@ def _clipped_surrogate(ratio: Tensor, adv: Tensor, cfg: LossConfig) -> Tensor:
 
 
 def _k3(lp_ref: Tensor, lp: Tensor) -> Tensor:
-    """k3 estimator of KL(pi_theta || pi_ref) per token: unbiased and non-negative."""
-    d = lp_ref - lp
-    return torch.exp(d) - d - 1.0
+    """k3 estimator of KL(pi_theta || pi_ref) per token: unbiased and non-negative, clamped as
+    verl's `low_var_kl` is (log-ratio to [-20, 20], the value to at most 10). Unclamped, a token
+    the policy has made far less likely than the reference does (after supervised updates, say)
+    gives exp(logp_ref - logp) in the millions, and after the gradient clip the step is the
+    penalty's alone; a clamped token adds no gradient."""
+    d = (lp_ref - lp).clamp(min=-20.0, max=20.0)
+    return (torch.exp(d) - d - 1.0).clamp(max=10.0)
 
 
 def _aggregate(x: Tensor, inputs: _Masked, aggregation: str, loss_normalizer: float | None) -> Tensor:
