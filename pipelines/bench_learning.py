@@ -50,9 +50,26 @@ def _cycle_config(rollouts: dict | None = None, learner: dict | None = None, tas
     return {"perpetua_cycle": {"ops": ops}} if ops else {}
 
 
+def _overrides(**fields) -> dict:
+    """Policy-checkpoint config overriding LearnerConfig fields (the rest keep their defaults)."""
+    return {"learner_overrides_json": json.dumps(fields)}
+
+
 def _loss(**loss) -> dict:
     """Policy-checkpoint config overriding fields of the loss (the rest keep their defaults)."""
-    return {"learner_overrides_json": json.dumps({"loss": loss})}
+    return _overrides(loss=loss)
+
+
+# The supervised-update rows share a wider task set: 2 variants per new failure and 96 replay tasks.
+WIDE_TASKS = {"variants_per_failure": 2, "min_replay": 96}
+
+
+def _supervised(updates: int, rehearsal: int = 48, tasks: dict | None = WIDE_TASKS, learner: dict | None = None,
+                **loss) -> dict:
+    """A cycle config with `updates` supervised updates per step, `rehearsal` rehearsal rows, the
+    given task settings, further policy-checkpoint fields and loss overrides."""
+    fields = {"supervised_updates": updates} | ({"loss": loss} if loss else {})
+    return _cycle_config({"rehearsal_tasks": rehearsal}, (learner or {}) | _overrides(**fields), tasks)
 
 
 CONFIGS: dict[str, tuple[str, dict]] = {
@@ -100,36 +117,21 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                           _cycle_config({"rehearsal_tasks": 16}, {"iterations": 2},
                                                         {"variants_per_failure": 2})),
     "supervised-16": ("defaults + rehearsal of 16 solved-family tasks + 16 supervised updates on the step's verified "
-                      "written solutions before the policy-gradient updates",
-                      _cycle_config({"rehearsal_tasks": 16}, {"learner_overrides_json": json.dumps({"supervised_updates": 16})})),
+                      "written solutions before the policy-gradient updates", _supervised(16, 16, tasks=None)),
     "supervised-16-variants": ("supervised-16 + 2 variants per new failure",
-                               _cycle_config({"rehearsal_tasks": 16}, {"learner_overrides_json": json.dumps(
-                                   {"supervised_updates": 16})}, {"variants_per_failure": 2})),
+                               _supervised(16, 16, tasks={"variants_per_failure": 2})),
     "supervised-8-rehearsal-48": ("2 variants per new failure, 96 replay tasks, rehearsal of 48 solved-family tasks, "
-                                  "8 supervised updates per step",
-                                  _cycle_config({"rehearsal_tasks": 48}, {"learner_overrides_json": json.dumps(
-                                      {"supervised_updates": 8})}, {"variants_per_failure": 2, "min_replay": 96})),
-    "supervised-4-rehearsal-48": ("as supervised-8-rehearsal-48 with 4 supervised updates per step",
-                                  _cycle_config({"rehearsal_tasks": 48}, {"learner_overrides_json": json.dumps(
-                                      {"supervised_updates": 4})}, {"variants_per_failure": 2, "min_replay": 96})),
+                                  "8 supervised updates per step", _supervised(8)),
+    "supervised-4-rehearsal-48": ("as supervised-8-rehearsal-48 with 4 supervised updates per step", _supervised(4)),
     "supervised-8-rehearsal-48-kl": ("supervised-8-rehearsal-48 with a KL penalty (0.05) toward the base policy in the "
-                                     "policy-gradient updates",
-                                     _cycle_config({"rehearsal_tasks": 48}, {"learner_overrides_json": json.dumps(
-                                         {"supervised_updates": 8, "loss": {"kl_coef": 0.05}})},
-                                         {"variants_per_failure": 2, "min_replay": 96})),
+                                     "policy-gradient updates", _supervised(8, kl_coef=0.05)),
     "supervised-8-rehearsal-48-kl-0.2": ("supervised-8-rehearsal-48 with a KL penalty (0.2) toward the base policy",
-                                         _cycle_config({"rehearsal_tasks": 48}, {"learner_overrides_json": json.dumps(
-                                             {"supervised_updates": 8, "loss": {"kl_coef": 0.2}})},
-                                             {"variants_per_failure": 2, "min_replay": 96})),
+                                         _supervised(8, kl_coef=0.2)),
     "supervised-8-anchors": ("supervised-8-rehearsal-48 with the policy's own successes of all-pass groups as "
                              "supervised anchors too (in the supervised updates and the policy-gradient ones)",
-                             _cycle_config({"rehearsal_tasks": 48}, {"learner_overrides_json": json.dumps(
-                                 {"supervised_updates": 8, "loss": {"anchor_solved": True}})},
-                                 {"variants_per_failure": 2, "min_replay": 96})),
+                             _supervised(8, anchor_solved=True)),
     "supervised-8-anchors-lr-half": ("supervised-8-anchors at half the learning rate (2.5e-4)",
-                                     _cycle_config({"rehearsal_tasks": 48}, {"lr": 2.5e-4, "learner_overrides_json": json.dumps(
-                                         {"supervised_updates": 8, "loss": {"anchor_solved": True}})},
-                                         {"variants_per_failure": 2, "min_replay": 96})),
+                                     _supervised(8, learner={"lr": 2.5e-4}, anchor_solved=True)),
     "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
                         {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }

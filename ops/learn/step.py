@@ -52,6 +52,11 @@ from ops.learn.optimizer import build_optimizer
 from ops.policy import checkpoint, megatron_cpu
 from ops.policy.model import PolicyConfig, build_model, logprobs_from_logits, tempered
 
+# The supervised updates' loss: every trained row is a written solution (off-policy), trained by
+# its token-mean NLL alone (LossConfig 'sft' mode); no importance weight, no KL, no entropy bonus.
+SUPERVISED_LOSS = LossConfig(off_policy="sft", sft_coef=1.0, aggregation="token-mean", tis_cap=None)
+
+
 @dataclass
 class StepResult:
     updates: list[dict] = field(default_factory=list)  # UpdateMetrics per optimizer update
@@ -72,7 +77,7 @@ class _StepPlan:
     real_global: int  # real micro-batches over all ranks
     logp_ref: list[Tensor | None]  # reference policy log-probs (KL penalty only)
     logp_old: list[Tensor | None]  # the weights at the start of the step; the first update fills them
-    loss: LossConfig  # the step's loss, or the supervised loss of its supervised updates
+    loss: LossConfig  # the step's loss, or SUPERVISED_LOSS for its supervised updates
     entropy_bonus: bool = True  # the adaptive entropy bonus applies (not to supervised updates)
 
 
@@ -102,56 +107,47 @@ class Learner:
     # -- the step --
 
     def train_step(self, batch: TrainingBatch, on_update: Callable[[dict], None] | None = None) -> StepResult:
-        """`updates_per_step` optimizer updates over the kept samples of `batch`."""
+        """`supervised_updates` updates on the batch's verified written solutions, if any, then
+        `updates_per_step` policy-gradient updates over its kept samples."""
         start = time.perf_counter()
         result = StepResult()
-        plan = self._plan(batch.samples)
+        plan = self._plan(batch.samples, self.cfg.loss)
         if plan is None:
             return result  # nothing to train on: every group filtered, or no trained token
         result.micro_batches = plan.real_global
         self.ddp.train()
-        supervised = self._supervised_plan(batch.samples) if self.cfg.supervised_updates else None
-        for u in range(self.cfg.supervised_updates if supervised is not None else 0):
-            metrics = self._update(supervised) | {"update": u + 1, "phase": "supervised",
-                                                  "optimizer_step": self.optimizer_updates, "entropy_coef": 0.0}
-            result.updates.append(metrics)
-            if on_update is not None:
-                on_update(metrics)
-        for u in range(self.cfg.updates_per_step):
-            coef = self.entropy_coef
-            metrics = self._update(plan) | {"update": len(result.updates) + 1, "phase": "policy-gradient",
-                                            "optimizer_step": self.optimizer_updates, "entropy_coef": coef}
-            self.entropy_coef = adapt_entropy_coef(coef, metrics["entropy"], self.cfg.loss)
-            result.updates.append(metrics)
-            if on_update is not None:
-                on_update(metrics)
+        phases = [("policy-gradient", plan, self.cfg.updates_per_step)]
+        if self.cfg.supervised_updates:
+            # reference, rehearsal and anchor rows with a positive reward; every rank holds the same batch
+            written = [s for s in batch.samples if s.off_policy and s.reward > 0]
+            supervised = self._plan(written, SUPERVISED_LOSS, entropy_bonus=False)
+            if supervised is not None:
+                phases.insert(0, ("supervised", supervised, self.cfg.supervised_updates))
+        for phase, phase_plan, updates in phases:
+            for _ in range(updates):
+                coef = self.entropy_coef if phase_plan.entropy_bonus else 0.0
+                metrics = self._update(phase_plan) | {"update": len(result.updates) + 1, "phase": phase,
+                                                      "optimizer_step": self.optimizer_updates, "entropy_coef": coef}
+                if phase_plan.entropy_bonus:
+                    self.entropy_coef = adapt_entropy_coef(coef, metrics["entropy"], self.cfg.loss)
+                result.updates.append(metrics)
+                if on_update is not None:
+                    on_update(metrics)
         self.aux_loss.reset()
         result.seconds = time.perf_counter() - start
         return result
 
-    def _plan(self, samples: list[TrainingSample]) -> _StepPlan | None:
-        """Micro-batches, loss denominator and reference log-probs; None without a trained token."""
-        normalizer = loss_normalizer(samples, self.cfg.loss.aggregation)
+    def _plan(self, samples: list[TrainingSample], loss: LossConfig, entropy_bonus: bool = True) -> _StepPlan | None:
+        """Micro-batches, loss denominator and reference log-probs of `samples` under `loss`; None
+        without a trained token."""
+        normalizer = loss_normalizer(samples, loss.aggregation)
         if normalizer == 0:
             return None
         mbs = [mb.to(self.device) for mb in plan_micro_batches(samples, self.cfg.micro_batch_size, self.dp_size,
                                                                self.dp_rank, self.pad_id)]
         real_global = math.ceil(len(samples) / self.cfg.micro_batch_size)
-        return _StepPlan(mbs, normalizer, real_global, self._reference_logprobs(mbs), [None] * len(mbs), self.cfg.loss)
-
-    def _supervised_plan(self, samples: list[TrainingSample]) -> _StepPlan | None:
-        """The supervised updates' plan: the verified written solutions of the batch (reference,
-        rehearsal and anchor rows with a positive reward), trained by their token-mean NLL alone;
-        None when the batch holds none. Every rank holds the same batch, so all agree."""
-        written = [s for s in samples if s.off_policy and s.reward > 0]
-        normalizer = loss_normalizer(written, "token-mean")
-        if normalizer == 0:
-            return None
-        mbs = [mb.to(self.device) for mb in plan_micro_batches(written, self.cfg.micro_batch_size, self.dp_size,
-                                                               self.dp_rank, self.pad_id)]
-        loss = LossConfig(off_policy="sft", sft_coef=1.0, aggregation="token-mean", tis_cap=None)
-        return _StepPlan(mbs, normalizer, math.ceil(len(written) / self.cfg.micro_batch_size), [None] * len(mbs),
-                         [None] * len(mbs), loss, entropy_bonus=False)
+        return _StepPlan(mbs, normalizer, real_global, self._reference_logprobs(mbs, loss), [None] * len(mbs), loss,
+                         entropy_bonus)
 
     def _update(self, plan: _StepPlan) -> dict:
         """One optimizer update: forward and backward of every micro-batch, sync, clip, step."""
@@ -215,9 +211,9 @@ class Learner:
         positions = torch.arange(mb.tokens.shape[1], device=mb.tokens.device).unsqueeze(0).expand_as(mb.tokens)
         return model(mb.tokens, positions, attention_mask=None, padding_mask=mb.padding)
 
-    def _reference_logprobs(self, micro_batches: list[MicroBatch]) -> list[Tensor | None]:
-        """The reference policy's log-probs of every micro-batch, for the KL penalty; None without one."""
-        if self.cfg.loss.kl_coef > 0:
+    def _reference_logprobs(self, micro_batches: list[MicroBatch], loss: LossConfig) -> list[Tensor | None]:
+        """The reference policy's log-probs of every micro-batch, for `loss`'s KL penalty; None without one."""
+        if loss.kl_coef > 0:
             ref = self._reference_model()
             with torch.no_grad():
                 return [logprobs_from_logits(self._forward(ref, mb), mb.tokens, mb.temperature) for mb in micro_batches]

@@ -191,8 +191,7 @@ def sample_informative(
                       policy_version=version, sampling_round=len(out.rounds), env=env)
         for row in rows:
             row["source"] = "rehearsal"
-        _timed(out, "screening_seconds", screen, rows)
-        out.rows += rows
+        out.rows += rows  # not screened: no refill depends on them; the rewards stage verifies every row
         out.rehearsal_tasks = [t.task_id for t in rehearse]
         log(f"rehearsal: reference solutions of {len(rehearse)} tasks of solved families "
             f"({', '.join(sorted({t.family for t in rehearse})) or 'none available'})")
