@@ -132,6 +132,26 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                              _supervised(8, anchor_solved=True)),
     "supervised-8-anchors-lr-half": ("supervised-8-anchors at half the learning rate (2.5e-4)",
                                      _supervised(8, learner={"lr": 2.5e-4}, anchor_solved=True)),
+    "supervised-reach-16": ("defaults + up to 16 supervised updates per step on the verified written solutions "
+                            "with a token below log-prob -3 (out of the policy's reach), ending once none is",
+                            _cycle_config(learner=_overrides(supervised_updates=16, supervised_below=-3.0))),
+    "supervised-reach-32": ("supervised-reach-16 with up to 32 supervised updates per step",
+                            _cycle_config(learner=_overrides(supervised_updates=32, supervised_below=-3.0))),
+    "supervised-tokens-16": ("supervised-reach-16 training only the tokens below log-prob -3, not the rest of "
+                             "their rows", _cycle_config(learner=_overrides(supervised_updates=16, supervised_below=-3.0,
+                                                                           supervised_scope="tokens"))),
+    "supervised-tokens-32": ("supervised-tokens-16 with up to 32 supervised updates per step",
+                             _cycle_config(learner=_overrides(supervised_updates=32, supervised_below=-3.0,
+                                                              supervised_scope="tokens"))),
+    "supervised-tokens-anchored-48": ("supervised-tokens-16 plus, in the same supervised updates, the whole verified "
+                                      "written rows within reach, with rehearsal of 48 solved-family tasks per step",
+                                      _cycle_config({"rehearsal_tasks": 48}, _overrides(
+                                          supervised_updates=16, supervised_below=-3.0,
+                                          supervised_scope="tokens_anchored"))),
+    "supervised-tokens-anchored-128": ("supervised-tokens-anchored-48 with rehearsal of 128 tasks per step",
+                                       _cycle_config({"rehearsal_tasks": 128}, _overrides(
+                                           supervised_updates=16, supervised_below=-3.0,
+                                           supervised_scope="tokens_anchored"))),
     "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
                         {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }

@@ -197,11 +197,8 @@ def test_adaptive_entropy_bonus_and_reference_rows_in_a_real_step():
     assert math.isfinite(second["loss"]) and first["mismatch"] > 0  # random behaviour log-probs on the sampled rows
 
 
-def test_supervised_updates_raise_the_written_solutions_before_the_policy_gradient_ones():
-    """With supervised_updates, the step first makes that many updates on its verified written rows
-    (here one reference row with reward 1 and one rehearsal row) by their NLL alone: the rows'
-    log-probs rise over those updates, the policy-gradient updates follow with logp_old taken from
-    the weights the supervised ones left (their first ratio is 1), and the update numbers run on."""
+def _batch_with_written_rows():
+    """A synthetic batch of 4 groups with two verified written rows: a reference and a rehearsal row."""
     import pyarrow as pa
 
     rollouts, rewards = synthetic_tables(4, 4, vocab_size=TINY.vocab_size, seed=5)
@@ -215,6 +212,56 @@ def test_supervised_updates_raise_the_written_solutions_before_the_policy_gradie
                                  pa.Table.from_pylist(rw, schema=rewards.schema))
     written = [s for s in batch.samples if s.off_policy]
     assert len(written) == 2 and batch.stats.rehearsal_samples == 1
+    return batch, written
+
+
+def _lowest_trained_logprob(learner, samples) -> list[float]:
+    return [min(lp for lp, m in zip(lps, s.sequence.loss_mask) if m)
+            for s, lps in zip(samples, learner.completion_logprobs(samples))]
+
+
+def test_supervised_updates_take_only_rows_out_of_reach_and_stop_once_none_is():
+    """With supervised_below, only the written row whose least likely trained token is below the
+    threshold takes the supervised updates, and the phase ends before its cap once that token is
+    above it; the policy-gradient updates follow."""
+    batch, written = _batch_with_written_rows()
+    cfg = dict(lr=1e-2, micro_batch_size=8, seed=3, updates_per_step=1, supervised_updates=40)
+    lowest = _lowest_trained_logprob(Learner(TINY, LearnerConfig(**cfg)), written)  # the same initial weights
+    assert abs(lowest[0] - lowest[1]) > 0.05
+    out_of_reach = written[lowest.index(min(lowest))]
+    learner = Learner(TINY, LearnerConfig(**cfg, supervised_below=sum(lowest) / 2))
+    updates = learner.train_step(batch).updates
+    supervised = [u for u in updates if u["phase"] == "supervised"]
+    assert 1 <= len(supervised) < 40 and [u["phase"] for u in updates[len(supervised):]] == ["policy-gradient"]
+    assert all(u["num_tokens"] == out_of_reach.trained_tokens for u in supervised)
+    assert out_of_reach.trained_tokens != sum(s.trained_tokens for s in written)
+
+
+@pytest.mark.parametrize("scope", ["tokens", "tokens_anchored"])
+def test_supervised_updates_scoped_to_tokens_train_only_the_tokens_out_of_reach(scope):
+    """With supervised_scope 'tokens', the supervised updates train only the written rows' tokens
+    below supervised_below, not the rest of those rows; 'tokens_anchored' adds the whole rows
+    within reach."""
+    batch, written = _batch_with_written_rows()
+    cfg = dict(lr=1e-2, micro_batch_size=8, seed=3, updates_per_step=1, supervised_updates=40)
+    probe = Learner(TINY, LearnerConfig(**cfg))  # the same initial weights
+    lowest = _lowest_trained_logprob(probe, written)
+    threshold = sum(lowest) / 2
+    below = sum(int(m and lp < threshold) for s, lps in zip(written, probe.completion_logprobs(written))
+                for lp, m in zip(lps, s.sequence.loss_mask))
+    within = written[lowest.index(max(lowest))]
+    assert 0 < below < min(s.trained_tokens for s in written)
+    learner = Learner(TINY, LearnerConfig(**cfg, supervised_below=threshold, supervised_scope=scope))
+    supervised = [u for u in learner.train_step(batch).updates if u["phase"] == "supervised"]
+    assert supervised and supervised[0]["num_tokens"] == below + (within.trained_tokens if scope != "tokens" else 0)
+
+
+def test_supervised_updates_raise_the_written_solutions_before_the_policy_gradient_ones():
+    """With supervised_updates, the step first makes that many updates on its verified written rows
+    (here one reference row with reward 1 and one rehearsal row) by their NLL alone: the rows'
+    log-probs rise over those updates, the policy-gradient updates follow with logp_old taken from
+    the weights the supervised ones left (their first ratio is 1), and the update numbers run on."""
+    batch, written = _batch_with_written_rows()
     learner = Learner(TINY, LearnerConfig(lr=1e-3, micro_batch_size=8, seed=3, updates_per_step=2,
                                           supervised_updates=3))
     before = learner.sequence_logprobs(written)

@@ -53,6 +53,21 @@ class LearnerConfig(BaseModel):
               "whatever the loss weight, so a token the policy never emits (log-prob near -20) needs many updates, "
               "not a larger coefficient; the policy-gradient updates' logp_old is the weights after these. 0 = none"),
     ] = 0
+    supervised_below: Annotated[
+        float | None,
+        Field(lt=0, description="Only written rows with a trained token whose log-prob (at the row's sampling "
+              "temperature) is below this take the supervised updates: solutions the policy would not sample, "
+              "not the ones it already writes. The phase ends early once none is left below it. None = every "
+              "verified written row, for all supervised_updates"),
+    ] = None
+    supervised_scope: Annotated[
+        Literal["rows", "tokens", "tokens_anchored"],
+        Field(description="With supervised_below: 'rows' trains every token of a row out of reach, 'tokens' only its "
+              "tokens below the threshold (the rest of the solution, which the policy already writes, is not "
+              "fitted again), 'tokens_anchored' those tokens plus every written row within reach (rehearsal, "
+              "anchor and reference rows the policy already writes), which pushes back where the new tokens "
+              "would displace what the policy writes elsewhere"),
+    ] = "rows"
     grad_clip: Annotated[float | None, Field(gt=0, description="Clip the global gradient norm to this; None disables")] = 1.0
     expert_parallel: Annotated[
         int, Field(gt=0, description="Expert-parallel ranks (experts split across them); must divide world size and expert count")

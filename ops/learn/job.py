@@ -341,9 +341,9 @@ def _on_update(log, run_log) -> Callable[[dict], None]:
         if run_log is not None:
             run_log.log_metrics(scalars, step=m["optimizer_step"])
         if rank == 0:
-            log("learner: update {update} (optimizer step {optimizer_step}): loss {loss:.5f} pg {pg_loss:.5f} "
-                "mismatch {mismatch:.4f} entropy {entropy:.3f} grad_norm {grad_norm:.4f} lb_loss "
-                "{load_balancing_loss:.4f} {tokens_per_s:.0f} tok/s".format(**m))
+            log("learner: update {update} ({phase}, optimizer step {optimizer_step}): {num_sequences:.0f} sequences, "
+                "loss {loss:.5f} pg {pg_loss:.5f} mismatch {mismatch:.4f} entropy {entropy:.3f} grad_norm {grad_norm:.4f} "
+                "lb_loss {load_balancing_loss:.4f} {tokens_per_s:.0f} tok/s".format(**m))
         faults.point(f"{faults.LEARNER_AFTER_UPDATE}.{m['update']}")
 
     return on_update

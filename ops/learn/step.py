@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -66,6 +66,12 @@ class StepResult:
     @property
     def last(self) -> dict:
         return self.updates[-1] if self.updates else {}
+
+
+@dataclass(frozen=True)
+class _OutOfReach:
+    source: TrainingSample  # a written row with a token the policy would not sample
+    tokens: TrainingSample  # the same row training only those tokens
 
 
 @dataclass
@@ -116,15 +122,18 @@ class Learner:
             return result  # nothing to train on: every group filtered, or no trained token
         result.micro_batches = plan.real_global
         self.ddp.train()
-        phases = [("policy-gradient", plan, self.cfg.updates_per_step)]
+        phases = [("policy-gradient", plan, self.cfg.updates_per_step, [])]
         if self.cfg.supervised_updates:
             # reference, rehearsal and anchor rows with a positive reward; every rank holds the same batch
             written = [s for s in batch.samples if s.off_policy and s.reward > 0]
-            supervised = self._plan(written, SUPERVISED_LOSS, entropy_bonus=False)
+            trained, watched = self._supervised_rows(written)
+            supervised = self._plan(trained, SUPERVISED_LOSS, entropy_bonus=False)
             if supervised is not None:
-                phases.insert(0, ("supervised", supervised, self.cfg.supervised_updates))
-        for phase, phase_plan, updates in phases:
-            for _ in range(updates):
+                phases.insert(0, ("supervised", supervised, self.cfg.supervised_updates, watched))
+        for phase, phase_plan, updates, rows in phases:
+            for k in range(updates):
+                if k and rows and self.cfg.supervised_below is not None and not self._unreachable(rows):
+                    break  # every supervised row is within the policy's reach now
                 coef = self.entropy_coef if phase_plan.entropy_bonus else 0.0
                 metrics = self._update(phase_plan) | {"update": len(result.updates) + 1, "phase": phase,
                                                       "optimizer_step": self.optimizer_updates, "entropy_coef": coef}
@@ -136,6 +145,30 @@ class Learner:
         self.aux_loss.reset()
         result.seconds = time.perf_counter() - start
         return result
+
+    def _supervised_rows(self, written: list[TrainingSample]) -> tuple[list[TrainingSample], list[TrainingSample]]:
+        """What the supervised updates train, and the rows out of reach whose tokens end the phase
+        once they are all above `supervised_below` (`supervised_scope` in LearnerConfig)."""
+        if self.cfg.supervised_below is None:
+            return written, written
+        out_of_reach = self._unreachable(written)
+        if self.cfg.supervised_scope == "rows":
+            rows = [r.source for r in out_of_reach]
+            return rows, rows
+        within = [s for s in written if not any(s is r.source for r in out_of_reach)]
+        anchors = within if self.cfg.supervised_scope == "tokens_anchored" and out_of_reach else []
+        return [r.tokens for r in out_of_reach] + anchors, [r.tokens for r in out_of_reach]
+
+    def _unreachable(self, samples: list[TrainingSample]) -> list[_OutOfReach]:
+        """The samples with a trained token below `supervised_below`, each with a copy that trains
+        only those tokens."""
+        out = []
+        for s, lps in zip(samples, self.completion_logprobs(samples)):
+            low = [int(bool(m) and lp < self.cfg.supervised_below) for lp, m in zip(lps, s.sequence.loss_mask)]
+            if any(low):
+                out.append(_OutOfReach(s, replace(s, sequence=replace(s.sequence, loss_mask=low))))
+        self.ddp.train()
+        return out
 
     def _plan(self, samples: list[TrainingSample], loss: LossConfig, entropy_bonus: bool = True) -> _StepPlan | None:
         """Micro-batches, loss denominator and reference log-probs of `samples` under `loss`; None
