@@ -7,10 +7,16 @@
 - MLflow hints that an integer column cannot hold missing values when a dataset is logged
   (the rollout tables have none).
 Everything else still warns.
+
+MLflow's usage telemetry is off unless the user sets `MLFLOW_DISABLE_TELEMETRY` themselves: its
+background thread sets and unsets an environment variable while other threads read
+`os.environ`, which failed a cycle's MLflow call with `KeyError: '_MLFLOW_TELEMETRY_SESSION_ID'`
+(from `requests`' proxy lookup), and nothing here should call out of the machine.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 
 KNOWN = [
@@ -22,5 +28,6 @@ KNOWN = [
 
 
 def quiet_known_warnings() -> None:
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before mlflow is imported (it starts the thread)
     for pattern in KNOWN:
         warnings.filterwarnings("ignore", message=pattern)
