@@ -152,6 +152,15 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                        _cycle_config({"rehearsal_tasks": 128}, _overrides(
                                            supervised_updates=16, supervised_below=-3.0,
                                            supervised_scope="tokens_anchored"))),
+    "supervised-tokens-anchored-128-below-8": ("supervised-tokens-anchored-128 with the threshold at log-prob -8 "
+                                               "(tokens the policy practically never writes)",
+                                               _cycle_config({"rehearsal_tasks": 128}, _overrides(
+                                                   supervised_updates=16, supervised_below=-8.0,
+                                                   supervised_scope="tokens_anchored"))),
+    "supervised-tokens-anchored-128-below-8-32": ("supervised-tokens-anchored-128-below-8 with up to 32 updates",
+                                                  _cycle_config({"rehearsal_tasks": 128}, _overrides(
+                                                      supervised_updates=32, supervised_below=-8.0,
+                                                      supervised_scope="tokens_anchored"))),
     "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
                         {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }
