@@ -72,6 +72,15 @@ def _supervised(updates: int, rehearsal: int = 48, tasks: dict | None = WIDE_TAS
     return _cycle_config({"rehearsal_tasks": rehearsal}, (learner or {}) | _overrides(**fields), tasks)
 
 
+def _aimed(updates: int, below: float, scope: str = "rows", rehearsal: int = 0, **loss) -> dict:
+    """A cycle config with at most `updates` supervised updates per step on what is below log-prob
+    `below` (LearnerConfig.supervised_below and supervised_scope), `rehearsal` rehearsal rows and
+    loss overrides."""
+    fields = {"supervised_updates": updates, "supervised_below": below} | (
+        {"supervised_scope": scope} if scope != "rows" else {}) | ({"loss": loss} if loss else {})
+    return _cycle_config({"rehearsal_tasks": rehearsal} if rehearsal else None, _overrides(**fields))
+
+
 CONFIGS: dict[str, tuple[str, dict]] = {
     "defaults": ("every change, as shipped", {}),
     "plain": ("one round of uniformly chosen tasks, no guidance, 2 updates per step (the loop before these changes)",
@@ -134,33 +143,27 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                      _supervised(8, learner={"lr": 2.5e-4}, anchor_solved=True)),
     "supervised-reach-16": ("defaults + up to 16 supervised updates per step on the verified written solutions "
                             "with a token below log-prob -3 (out of the policy's reach), ending once none is",
-                            _cycle_config(learner=_overrides(supervised_updates=16, supervised_below=-3.0))),
-    "supervised-reach-32": ("supervised-reach-16 with up to 32 supervised updates per step",
-                            _cycle_config(learner=_overrides(supervised_updates=32, supervised_below=-3.0))),
+                            _aimed(16, -3.0)),
+    "supervised-reach-32": ("supervised-reach-16 with up to 32 supervised updates per step", _aimed(32, -3.0)),
     "supervised-tokens-16": ("supervised-reach-16 training only the tokens below log-prob -3, not the rest of "
-                             "their rows", _cycle_config(learner=_overrides(supervised_updates=16, supervised_below=-3.0,
-                                                                           supervised_scope="tokens"))),
+                             "their rows", _aimed(16, -3.0, "tokens")),
     "supervised-tokens-32": ("supervised-tokens-16 with up to 32 supervised updates per step",
-                             _cycle_config(learner=_overrides(supervised_updates=32, supervised_below=-3.0,
-                                                              supervised_scope="tokens"))),
+                             _aimed(32, -3.0, "tokens")),
     "supervised-tokens-anchored-48": ("supervised-tokens-16 plus, in the same supervised updates, the whole verified "
                                       "written rows within reach, with rehearsal of 48 solved-family tasks per step",
-                                      _cycle_config({"rehearsal_tasks": 48}, _overrides(
-                                          supervised_updates=16, supervised_below=-3.0,
-                                          supervised_scope="tokens_anchored"))),
+                                      _aimed(16, -3.0, "tokens_anchored", 48)),
     "supervised-tokens-anchored-128": ("supervised-tokens-anchored-48 with rehearsal of 128 tasks per step",
-                                       _cycle_config({"rehearsal_tasks": 128}, _overrides(
-                                           supervised_updates=16, supervised_below=-3.0,
-                                           supervised_scope="tokens_anchored"))),
+                                       _aimed(16, -3.0, "tokens_anchored", 128)),
     "supervised-tokens-anchored-128-below-8": ("supervised-tokens-anchored-128 with the threshold at log-prob -8 "
                                                "(tokens the policy practically never writes)",
-                                               _cycle_config({"rehearsal_tasks": 128}, _overrides(
-                                                   supervised_updates=16, supervised_below=-8.0,
-                                                   supervised_scope="tokens_anchored"))),
+                                               _aimed(16, -8.0, "tokens_anchored", 128)),
     "supervised-tokens-anchored-128-below-8-32": ("supervised-tokens-anchored-128-below-8 with up to 32 updates",
-                                                  _cycle_config({"rehearsal_tasks": 128}, _overrides(
-                                                      supervised_updates=32, supervised_below=-8.0,
-                                                      supervised_scope="tokens_anchored"))),
+                                                  _aimed(32, -8.0, "tokens_anchored", 128)),
+    "supervised-tokens-anchored-128-below-8-8": ("supervised-tokens-anchored-128-below-8 with up to 8 updates",
+                                                 _aimed(8, -8.0, "tokens_anchored", 128)),
+    "supervised-tokens-anchored-128-below-8-own": ("supervised-tokens-anchored-128-below-8 with the policy's own "
+                                                   "successes of all-pass groups as anchors too",
+                                                   _aimed(16, -8.0, "tokens_anchored", 128, anchor_solved=True)),
     "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
                         {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }
