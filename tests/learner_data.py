@@ -61,6 +61,18 @@ def synthetic_tables(
     return pa.Table.from_pylist(rollouts, schema=ROLLOUTS), pa.Table.from_pylist(rewards, schema=REWARDS)
 
 
+def with_written_rows(rollouts: pa.Table, rewards: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """The tables with two verified written rows: row 0 turned into a reference solution with reward
+    1, and a rehearsal row copied from row 5 (each off-policy, behaviour log-probs 0)."""
+    rows, rw = rollouts.to_pylist(), rewards.to_pylist()
+    rows[0]["source"], rows[0]["behaviour_logprobs"] = "reference", [0.0] * len(rows[0]["completion_ids"])
+    rw[0]["reward"] = 1.0
+    rows.append(dict(rows[5], group_id="rehearsal-x", task_id="rehearsal-x", source="rehearsal",
+                     behaviour_logprobs=[0.0] * len(rows[5]["completion_ids"])))
+    rw.append(dict(rw[5], group_id="rehearsal-x", task_id="rehearsal-x", reward=1.0))
+    return pa.Table.from_pylist(rows, schema=rollouts.schema), pa.Table.from_pylist(rw, schema=rewards.schema)
+
+
 def with_behaviour_logprobs(rollouts: pa.Table, logprobs: dict[tuple[str, int], list[float]]) -> pa.Table:
     """`rollouts` with behaviour_logprobs replaced per rollout key (0.0 kept off the loss mask)."""
     rows = rollouts.to_pylist()

@@ -28,11 +28,12 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 
-def write_job(root: Path, base_hf: Path, rollouts: Path, rewards: Path, expert_parallel: int) -> Path:
+def write_job(root: Path, base_hf: Path, rollouts: Path, rewards: Path, expert_parallel: int, **learner) -> Path:
     from ops.learn.config import LearnerConfig, LearnerJob
 
     job = LearnerJob(
-        learner=LearnerConfig(lr=1e-3, micro_batch_size=4, updates_per_step=2, expert_parallel=expert_parallel),
+        learner=LearnerConfig(lr=1e-3, micro_batch_size=4, updates_per_step=2, expert_parallel=expert_parallel,
+                              **learner),
         rollouts=[rollouts], rewards=[rewards], init_hf_dir=base_hf,
         checkpoint_dir=root / "learner", export_root=root / "policy", result_path=root / "result.json",
     )
@@ -42,10 +43,16 @@ def write_job(root: Path, base_hf: Path, rollouts: Path, rewards: Path, expert_p
     return path
 
 
-def test_expert_parallel_step_matches_single_process(tmp_path):
+# Supervised updates on the tokens out of reach: which tokens, and when the phase ends, are decided
+# from log-probs every rank computes, so the ranks must agree on them (ops/learn/step.py).
+AIMED = {"supervised_updates": 2, "supervised_below": -1.0, "supervised_scope": "tokens"}
+
+
+@pytest.mark.parametrize("learner", [{}, AIMED], ids=["policy-gradient", "aimed-supervised"])
+def test_expert_parallel_step_matches_single_process(tmp_path, learner):
     from ops.policy.checkpoint import latest_complete, load_model_tensors
     from ops.policy.hf_convert import load_hf_tensors
-    from learner_data import synthetic_tables
+    from learner_data import synthetic_tables, with_written_rows
     from ops.learn.config import LearnerJob
     from ops.learn.job import run_job
     from ops.learn.world import init_world
@@ -53,11 +60,14 @@ def test_expert_parallel_step_matches_single_process(tmp_path):
 
     base = random_policy(tmp_path / "base", seed=1234)
     ro, rw = synthetic_tables(6, 4, all_equal_groups=1, seed=3)
+    if learner:
+        ro, rw = with_written_rows(ro, rw)
     write_table(ro, ROLLOUTS, tmp_path / "rollouts.parquet")
     write_table(rw, REWARDS, tmp_path / "rewards.parquet")
 
     # EP=2 across two processes, launched the way the policy_checkpoint asset launches it.
-    job_ep = write_job(tmp_path / "ep2", base, tmp_path / "rollouts.parquet", tmp_path / "rewards.parquet", 2)
+    job_ep = write_job(tmp_path / "ep2", base, tmp_path / "rollouts.parquet", tmp_path / "rewards.parquet", 2,
+                       **learner)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            "-m", "ops.learn.main", "--config", str(job_ep)],
@@ -66,13 +76,16 @@ def test_expert_parallel_step_matches_single_process(tmp_path):
     ep = json.loads((tmp_path / "ep2" / "result.json").read_text())
 
     # The same job in this process: one rank, no expert parallelism.
-    job_one = write_job(tmp_path / "ep1", base, tmp_path / "rollouts.parquet", tmp_path / "rewards.parquet", 1)
+    job_one = write_job(tmp_path / "ep1", base, tmp_path / "rollouts.parquet", tmp_path / "rewards.parquet", 1,
+                        **learner)
     init_world(1, 0)
     one = run_job(LearnerJob.model_validate_json(job_one.read_text()), log=lambda m: None)
 
     assert (ep["world_size"], ep["expert_parallel"], one["world_size"]) == (2, 2, 1)
-    assert ep["batch"]["samples_kept"] == one["batch"]["samples_kept"] == 20
-    assert ep["micro_batches"] == 5 and len(ep["history"]) == len(one["history"]) == 2
+    phases = ["supervised"] * learner.get("supervised_updates", 0) + ["policy-gradient"] * 2
+    assert [u["phase"] for u in ep["history"]] == [u["phase"] for u in one["history"]] == phases
+    if not learner:
+        assert ep["batch"]["samples_kept"] == one["batch"]["samples_kept"] == 20 and ep["micro_batches"] == 5
     for a, b in zip(ep["history"], one["history"]):
         for key in ("loss", "pg_loss", "grad_norm", "entropy", "mismatch", "load_balancing_loss", "num_tokens"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key

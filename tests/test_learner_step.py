@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from learner_data import synthetic_tables, with_behaviour_logprobs
+from learner_data import synthetic_tables, with_behaviour_logprobs, with_written_rows
 from ops.learn.batch import TrainingBatch, build_training_batch
 from ops.learn.config import LearnerConfig
 from ops.learn.errors import LearnerError
@@ -199,17 +199,7 @@ def test_adaptive_entropy_bonus_and_reference_rows_in_a_real_step():
 
 def _batch_with_written_rows():
     """A synthetic batch of 4 groups with two verified written rows: a reference and a rehearsal row."""
-    import pyarrow as pa
-
-    rollouts, rewards = synthetic_tables(4, 4, vocab_size=TINY.vocab_size, seed=5)
-    rows, rw = rollouts.to_pylist(), rewards.to_pylist()
-    rows[0]["source"], rows[0]["behaviour_logprobs"] = "reference", [0.0] * len(rows[0]["completion_ids"])
-    rw[0]["reward"] = 1.0
-    rows.append(dict(rows[5], group_id="rehearsal-x", task_id="rehearsal-x", source="rehearsal",
-                     behaviour_logprobs=[0.0] * len(rows[5]["completion_ids"])))
-    rw.append(dict(rw[5], group_id="rehearsal-x", task_id="rehearsal-x", reward=1.0))
-    batch = build_training_batch(pa.Table.from_pylist(rows, schema=rollouts.schema),
-                                 pa.Table.from_pylist(rw, schema=rewards.schema))
+    batch = build_training_batch(*with_written_rows(*synthetic_tables(4, 4, vocab_size=TINY.vocab_size, seed=5)))
     written = [s for s in batch.samples if s.off_policy]
     assert len(written) == 2 and batch.stats.rehearsal_samples == 1
     return batch, written

@@ -342,8 +342,8 @@ def _on_update(log, run_log) -> Callable[[dict], None]:
             run_log.log_metrics(scalars, step=m["optimizer_step"])
         if rank == 0:
             log("learner: update {update} ({phase}, optimizer step {optimizer_step}): {num_sequences:.0f} sequences, "
-                "loss {loss:.5f} pg {pg_loss:.5f} mismatch {mismatch:.4f} entropy {entropy:.3f} grad_norm {grad_norm:.4f} "
-                "lb_loss {load_balancing_loss:.4f} {tokens_per_s:.0f} tok/s".format(**m))
+                "loss {loss:.5f} pg {pg_loss:.5f} mismatch {mismatch:.4f} entropy {entropy:.3f} "
+                "grad_norm {grad_norm:.4f} lb_loss {load_balancing_loss:.4f} {tokens_per_s:.0f} tok/s".format(**m))
         faults.point(f"{faults.LEARNER_AFTER_UPDATE}.{m['update']}")
 
     return on_update
@@ -363,7 +363,8 @@ def _step_result(job: LearnerJob, batch: TrainingBatch, learner: Learner, start:
         "micro_batches": step.micro_batches,
         "train_seconds": step.seconds,
         "metrics": {k: _finite(v) for k, v in last.items()},
-        "history": [{k: _finite(v) for k, v in scalar_metrics(u).items()} for u in step.updates],
+        "history": [{k: _finite(v) for k, v in scalar_metrics(u).items()} | {"phase": u["phase"]}
+                    for u in step.updates],
         "tokens_per_expert": step.last.get("tokens_per_expert"),
         "batch": {k: _finite(v) for k, v in batch.stats.as_dict().items()},
         "world_size": world.world_size(),

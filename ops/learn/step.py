@@ -162,13 +162,17 @@ class Learner:
     def _unreachable(self, samples: list[TrainingSample]) -> list[_OutOfReach]:
         """The samples with a trained token below `supervised_below`, each with a copy that trains
         only those tokens."""
-        out = []
-        for s, lps in zip(samples, self.completion_logprobs(samples)):
-            low = [int(bool(m) and lp < self.cfg.supervised_below) for lp, m in zip(lps, s.sequence.loss_mask)]
-            if any(low):
-                out.append(_OutOfReach(s, replace(s, sequence=replace(s.sequence, loss_mask=low))))
+        lows = [[int(bool(m) and lp < self.cfg.supervised_below) for lp, m in zip(lps, s.sequence.loss_mask)]
+                for s, lps in zip(samples, self.completion_logprobs(samples))]
         self.ddp.train()
-        return out
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1 and samples:
+            # every rank must train (and stop on) the same tokens: a token below on any rank counts
+            flat = torch.tensor([v for low in lows for v in low], dtype=torch.int32, device=self.device)
+            torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX)
+            it = iter(flat.tolist())
+            lows = [[next(it) for _ in low] for low in lows]
+        return [_OutOfReach(s, replace(s, sequence=replace(s.sequence, loss_mask=low)))
+                for s, low in zip(samples, lows) if any(low)]
 
     def _plan(self, samples: list[TrainingSample], loss: LossConfig, entropy_bonus: bool = True) -> _StepPlan | None:
         """Micro-batches, loss denominator and reference log-probs of `samples` under `loss`; None
