@@ -65,20 +65,20 @@ WIDE_TASKS = {"variants_per_failure": 2, "min_replay": 96}
 
 
 def _supervised(updates: int, rehearsal: int = 48, tasks: dict | None = WIDE_TASKS, learner: dict | None = None,
-                **loss) -> dict:
-    """A cycle config with `updates` supervised updates per step, `rehearsal` rehearsal rows, the
-    given task settings, further policy-checkpoint fields and loss overrides."""
-    fields = {"supervised_updates": updates} | ({"loss": loss} if loss else {})
-    return _cycle_config({"rehearsal_tasks": rehearsal}, (learner or {}) | _overrides(**fields), tasks)
+                fields: dict | None = None, **loss) -> dict:
+    """A cycle config with `updates` supervised updates per step, `rehearsal` rehearsal rows (none
+    at 0), the given task settings, further policy-checkpoint fields, LearnerConfig fields and loss
+    overrides."""
+    fields = {"supervised_updates": updates} | (fields or {}) | ({"loss": loss} if loss else {})
+    return _cycle_config({"rehearsal_tasks": rehearsal} if rehearsal else None, (learner or {}) | _overrides(**fields),
+                         tasks)
 
 
 def _aimed(updates: int, below: float, scope: str = "rows", rehearsal: int = 0, **loss) -> dict:
-    """A cycle config with at most `updates` supervised updates per step on what is below log-prob
-    `below` (LearnerConfig.supervised_below and supervised_scope), `rehearsal` rehearsal rows and
-    loss overrides."""
-    fields = {"supervised_updates": updates, "supervised_below": below} | (
-        {"supervised_scope": scope} if scope != "rows" else {}) | ({"loss": loss} if loss else {})
-    return _cycle_config({"rehearsal_tasks": rehearsal} if rehearsal else None, _overrides(**fields))
+    """`_supervised` on the default task set, on what is below log-prob `below`
+    (LearnerConfig.supervised_below and supervised_scope)."""
+    aim = {"supervised_below": below} | ({"supervised_scope": scope} if scope != "rows" else {})
+    return _supervised(updates, rehearsal, tasks=None, fields=aim, **loss)
 
 
 CONFIGS: dict[str, tuple[str, dict]] = {

@@ -205,8 +205,10 @@ def _batch_with_written_rows():
     return batch, written
 
 
-def _lowest_trained_logprob(learner, samples) -> list[float]:
-    return [min(lp for lp, m in zip(lps, s.sequence.loss_mask) if m)
+def _trained_logprobs(samples) -> list[list[float]]:
+    """Each sample's trained-token log-probs under a fresh learner with the tests' initial weights."""
+    learner = Learner(TINY, LearnerConfig(micro_batch_size=8, seed=3))
+    return [[lp for lp, m in zip(lps, s.sequence.loss_mask) if m]
             for s, lps in zip(samples, learner.completion_logprobs(samples))]
 
 
@@ -216,7 +218,7 @@ def test_supervised_updates_take_only_rows_out_of_reach_and_stop_once_none_is():
     above it; the policy-gradient updates follow."""
     batch, written = _batch_with_written_rows()
     cfg = dict(lr=1e-2, micro_batch_size=8, seed=3, updates_per_step=1, supervised_updates=40)
-    lowest = _lowest_trained_logprob(Learner(TINY, LearnerConfig(**cfg)), written)  # the same initial weights
+    lowest = [min(lps) for lps in _trained_logprobs(written)]
     assert abs(lowest[0] - lowest[1]) > 0.05
     out_of_reach = written[lowest.index(min(lowest))]
     learner = Learner(TINY, LearnerConfig(**cfg, supervised_below=sum(lowest) / 2))
@@ -234,11 +236,10 @@ def test_supervised_updates_scoped_to_tokens_train_only_the_tokens_out_of_reach(
     within reach."""
     batch, written = _batch_with_written_rows()
     cfg = dict(lr=1e-2, micro_batch_size=8, seed=3, updates_per_step=1, supervised_updates=40)
-    probe = Learner(TINY, LearnerConfig(**cfg))  # the same initial weights
-    lowest = _lowest_trained_logprob(probe, written)
+    trained = _trained_logprobs(written)
+    lowest = [min(lps) for lps in trained]
     threshold = sum(lowest) / 2
-    below = sum(int(m and lp < threshold) for s, lps in zip(written, probe.completion_logprobs(written))
-                for lp, m in zip(lps, s.sequence.loss_mask))
+    below = sum(lp < threshold for lps in trained for lp in lps)
     within = written[lowest.index(max(lowest))]
     assert 0 < below < min(s.trained_tokens for s in written)
     learner = Learner(TINY, LearnerConfig(**cfg, supervised_below=threshold, supervised_scope=scope))

@@ -68,12 +68,6 @@ class StepResult:
         return self.updates[-1] if self.updates else {}
 
 
-@dataclass(frozen=True)
-class _OutOfReach:
-    source: TrainingSample  # a written row with a token the policy would not sample
-    tokens: TrainingSample  # the same row training only those tokens
-
-
 @dataclass
 class _StepPlan:
     """What the updates of one step share."""
@@ -132,8 +126,8 @@ class Learner:
                 phases.insert(0, ("supervised", supervised, self.cfg.supervised_updates, watched))
         for phase, phase_plan, updates, rows in phases:
             for k in range(updates):
-                if k and rows and self.cfg.supervised_below is not None and not self._unreachable(rows):
-                    break  # every supervised row is within the policy's reach now
+                if k and rows and not any(map(any, self._below(rows))):
+                    break  # every watched token is within the policy's reach now
                 coef = self.entropy_coef if phase_plan.entropy_bonus else 0.0
                 metrics = self._update(phase_plan) | {"update": len(result.updates) + 1, "phase": phase,
                                                       "optimizer_step": self.optimizer_updates, "entropy_coef": coef}
@@ -147,32 +141,30 @@ class Learner:
         return result
 
     def _supervised_rows(self, written: list[TrainingSample]) -> tuple[list[TrainingSample], list[TrainingSample]]:
-        """What the supervised updates train, and the rows out of reach whose tokens end the phase
-        once they are all above `supervised_below` (`supervised_scope` in LearnerConfig)."""
+        """What the supervised updates train, and the rows whose trained tokens end the phase once
+        none is below `supervised_below` (none without it): `supervised_scope` in LearnerConfig."""
         if self.cfg.supervised_below is None:
-            return written, written
-        out_of_reach = self._unreachable(written)
+            return written, []
+        lows = self._below(written)
         if self.cfg.supervised_scope == "rows":
-            rows = [r.source for r in out_of_reach]
+            rows = [s for s, low in zip(written, lows) if any(low)]
             return rows, rows
-        within = [s for s in written if not any(s is r.source for r in out_of_reach)]
-        anchors = within if self.cfg.supervised_scope == "tokens_anchored" and out_of_reach else []
-        return [r.tokens for r in out_of_reach] + anchors, [r.tokens for r in out_of_reach]
+        tokens = [replace(s, sequence=replace(s.sequence, loss_mask=low)) for s, low in zip(written, lows) if any(low)]
+        anchors = [s for s, low in zip(written, lows) if not any(low)]
+        return tokens + (anchors if self.cfg.supervised_scope == "tokens_anchored" and tokens else []), tokens
 
-    def _unreachable(self, samples: list[TrainingSample]) -> list[_OutOfReach]:
-        """The samples with a trained token below `supervised_below`, each with a copy that trains
-        only those tokens."""
+    def _below(self, samples: list[TrainingSample]) -> list[list[int]]:
+        """Per sample, 1 at each trained token whose log-prob is below `supervised_below`, else 0.
+        Every rank must train (and stop on) the same tokens, so a token below on any rank counts."""
         lows = [[int(bool(m) and lp < self.cfg.supervised_below) for lp, m in zip(lps, s.sequence.loss_mask)]
                 for s, lps in zip(samples, self.completion_logprobs(samples))]
         self.ddp.train()
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1 and samples:
-            # every rank must train (and stop on) the same tokens: a token below on any rank counts
             flat = torch.tensor([v for low in lows for v in low], dtype=torch.int32, device=self.device)
             torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX)
             it = iter(flat.tolist())
             lows = [[next(it) for _ in low] for low in lows]
-        return [_OutOfReach(s, replace(s, sequence=replace(s.sequence, loss_mask=low)))
-                for s, low in zip(samples, lows) if any(low)]
+        return lows
 
     def _plan(self, samples: list[TrainingSample], loss: LossConfig, entropy_bonus: bool = True) -> _StepPlan | None:
         """Micro-batches, loss denominator and reference log-probs of `samples` under `loss`; None
