@@ -74,11 +74,17 @@ def _supervised(updates: int, rehearsal: int = 48, tasks: dict | None = WIDE_TAS
                          tasks)
 
 
-def _aimed(updates: int, below: float, scope: str = "rows", rehearsal: int = 0, **loss) -> dict:
-    """`_supervised` on the default task set, on what is below log-prob `below`
+def _aimed(updates: int, below: float, scope: str = "rows", rehearsal: int = 0, tasks: dict | None = None,
+           **loss) -> dict:
+    """`_supervised` (on the default task set unless `tasks`), on what is below log-prob `below`
     (LearnerConfig.supervised_below and supervised_scope)."""
     aim = {"supervised_below": below} | ({"supervised_scope": scope} if scope != "rows" else {})
-    return _supervised(updates, rehearsal, tasks=None, fields=aim, **loss)
+    return _supervised(updates, rehearsal, tasks=tasks, fields=aim, **loss)
+
+
+# Many generated tasks per new failure: a drift family is learned from a hundred distinct questions
+# instead of a handful the policy can memorize, with a replay pool wide enough to rehearse from.
+VARIANT_TASKS = {"variants_per_failure": 8, "min_replay": 96}
 
 
 CONFIGS: dict[str, tuple[str, dict]] = {
@@ -164,6 +170,14 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "supervised-tokens-anchored-128-below-8-own": ("supervised-tokens-anchored-128-below-8 with the policy's own "
                                                    "successes of all-pass groups as anchors too",
                                                    _aimed(16, -8.0, "tokens_anchored", 128, anchor_solved=True)),
+    "variants-8": ("defaults with 8 generated train tasks per new failure",
+                   _cycle_config(tasks={"variants_per_failure": 8})),
+    "variants-8-rehearsal-32": ("variants-8 with 96 replay tasks and reference solutions of 32 solved tasks rehearsed",
+                                _cycle_config({"rehearsal_tasks": 32}, tasks=VARIANT_TASKS)),
+    "variants-8-supervised-8": ("variants-8-rehearsal-32 with 8 supervised updates per step",
+                                _supervised(8, 32, tasks=VARIANT_TASKS)),
+    "variants-8-aimed": ("variants-8-rehearsal-32 with up to 16 supervised updates on the tokens below -8, anchored",
+                         _aimed(16, -8.0, "tokens_anchored", 32, tasks=VARIANT_TASKS)),
     "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
                         {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }
