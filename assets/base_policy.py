@@ -8,14 +8,19 @@ downstream becomes stale) instead of retraining.
 
 import hashlib
 import json
+from pathlib import Path
 
 import dagster as dg
 
+from ops.common.atomic import atomic_write_text
+from ops.envs import Environment
 from ops.envs.home import CALCULATOR_V1, bind_environment, home_environment, stage_code_version
 from ops.policy.bootstrap import BootstrapConfig, bootstrap_base_policy
 from ops.common.paths import home
 
 CODE_VERSION = "base_policy-v1"
+KEY_FILE = "bootstrap-key.txt"  # the cache key the base policy on disk was trained under
+CONFIG_FILE = "bootstrap-config.json"  # the asset config it was trained with (to reuse it elsewhere)
 
 
 class BasePolicyConfig(dg.Config):
@@ -31,6 +36,29 @@ def _bootstrap_config(config: BasePolicyConfig) -> BootstrapConfig:
                                                                       "target_success": config.target_success})})
 
 
+def bootstrap_key(config: BasePolicyConfig, env: Environment) -> str:
+    """The cache key of a base policy: the code version, the bootstrap config and, for any world
+    but the calculator (whose key is the one it always had), the environment's code version."""
+    env_part = "" if env.identity() == CALCULATOR_V1 else env.code_version()
+    return hashlib.sha256((CODE_VERSION + _bootstrap_config(config).model_dump_json() + env_part).encode()).hexdigest()[:16]
+
+
+def reuse_run_config(base_dir: Path, env: Environment) -> dict:
+    """The `bootstrap` job's run config under which `base_policy` reuses the base policy in
+    `base_dir` (a home's models/base, copied into another home) instead of training a new one:
+    the config recorded with it (the defaults for a base trained before configs were recorded).
+    Raises ValueError when the directory is no base policy or was trained under another key."""
+    key_file, config_file = base_dir / KEY_FILE, base_dir / CONFIG_FILE
+    if not (base_dir / "hf" / "config.json").exists() or not key_file.exists():
+        raise ValueError(f"{base_dir}: not a finished base policy (no hf/config.json or {KEY_FILE}; use a home's models/base)")
+    config = BasePolicyConfig(**json.loads(config_file.read_text())) if config_file.exists() else BasePolicyConfig()
+    if key_file.read_text() != bootstrap_key(config, env):
+        raise ValueError(f"{base_dir}: trained under another base_policy config or code version than "
+                         f"{'its ' + CONFIG_FILE if config_file.exists() else 'the defaults (it records no ' + CONFIG_FILE + ')'}; "
+                         "the demo would train a new base policy instead of reusing it")
+    return {"ops": {"base_policy": {"config": config.model_dump()}}} if config_file.exists() else {}
+
+
 @dg.asset(
     group_name="bootstrap",
     kinds={"megatron", "pytorch"},
@@ -43,11 +71,9 @@ def base_policy(context: dg.AssetExecutionContext, config: BasePolicyConfig) -> 
     Records success on bootstrap and drift families, and binds the home to the environment."""
     cfg = _bootstrap_config(config)
     env = home_environment()
-    # the calculator world's key is the one it always had, so an existing base policy is reused
-    env_part = "" if env.identity() == CALCULATOR_V1 else env.code_version()
-    key = hashlib.sha256((CODE_VERSION + cfg.model_dump_json() + env_part).encode()).hexdigest()[:16]
+    key = bootstrap_key(config, env)
     out = home().models / "base"
-    stamp = out / "bootstrap-key.txt"
+    stamp = out / KEY_FILE
     if stamp.exists() and stamp.read_text() == key and (out / "hf" / "config.json").exists():
         context.log.info("base policy with this config and code version exists; reusing it")
         result = json.loads((out / "bootstrap.json").read_text())
@@ -56,6 +82,7 @@ def base_policy(context: dg.AssetExecutionContext, config: BasePolicyConfig) -> 
         r = bootstrap_base_policy(out, cfg, log=lambda m: context.log.info(f"sft {m}"), env=env)
         result = r.sft.to_dict()
         stamp.write_text(key)
+    atomic_write_text(out / CONFIG_FILE, json.dumps(config.model_dump(), sort_keys=True) + "\n")
     bind_environment(env)
     success = result["success"]
     return dg.MaterializeResult(

@@ -34,8 +34,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
+from assets.base_policy import reuse_run_config
 from ops.bench.cycle import STAGES, combine
 from ops.bench.memory import TreeMemory
+from ops.common.paths import Home
+from ops.envs.home import home_environment
 from ops.serving.supervisor import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -55,24 +60,33 @@ def process_kind(argv: list[str]) -> str | None:
     return None
 
 
-LEARNER_RUN_CONFIG = "perpetua_cycle:\n  ops:\n    policy_checkpoint: {{config: {{launcher: {launcher}}}}}\n"
+
+
+def copy_base(base: Path, h: Path) -> dict:
+    """Copy the base policy `base` (a home's models/base) into the new home `h`; the demo's run
+    config (by job) under which the bootstrap reuses it as is, whatever base_policy config it was
+    trained with. A directory the bootstrap would not reuse is refused before anything runs."""
+    bootstrap = reuse_run_config(base, home_environment(Home(h)))
+    shutil.copytree(base, h / "models" / "base")
+    return {"bootstrap": bootstrap} if bootstrap else {}
 
 
 def run_demo(h: Path, cycles: int, base: Path | None, log=print, launcher: str | None = None) -> tuple[dict, TreeMemory, float]:
     """The demo in home `h`, its learner steps through `launcher` (ops/learn/launch.py; None: the
     default): its summary, its process tree's memory and its wall seconds."""
     (h / "models").mkdir(parents=True)
-    if base is not None:
-        shutil.copytree(base, h / "models" / "base")
+    run_config = copy_base(base, h) if base is not None else {}
+    if launcher is not None:
+        run_config["perpetua_cycle"] = {"ops": {"policy_checkpoint": {"config": {"launcher": launcher}}}}
     summary_path = h / "demo-summary.json"
     env = {**os.environ, "PERPETUA_HOME": str(h), **{k: str(free_port()) for k in PORT_ENV}}
     for k in ("MLFLOW_TRACKING_URI", "DAGSTER_HOME"):
         env.pop(k, None)
     command = [sys.executable, "-m", "pipelines.cli", "demo", "--cycles", str(cycles), "--summary", str(summary_path),
                "--no-automation"]
-    if launcher is not None:
-        (h / "learner.yaml").write_text(LEARNER_RUN_CONFIG.format(launcher=launcher))
-        command += ["--run-config", str(h / "learner.yaml")]
+    if run_config:
+        (h / "run-config.yaml").write_text(yaml.safe_dump(run_config))
+        command += ["--run-config", str(h / "run-config.yaml")]
     log(f"bench cycle: {cycles} demo cycles in {h} (log {h / 'demo.log'})")
     start = time.monotonic()
     with open(h / "demo.log", "w") as out:
@@ -112,8 +126,6 @@ def run_bench(cycles: int = 3, base: Path | None = None, log=print, launcher: st
         raise ValueError("--cycles must be at least 1")
     if launcher not in (None, "local", "persistent"):
         raise ValueError(f"--learner must be local or persistent, not {launcher!r}")
-    if base is not None and not (base / "hf" / "config.json").exists():
-        raise ValueError(f"--base {base}: not a base policy directory (no hf/config.json; use a home's models/base)")
     from ops.cost.meter import detect_gpus
 
     h = Path(tempfile.mkdtemp(prefix="perpetua-bench-cycle-"))

@@ -33,6 +33,7 @@ from pathlib import Path
 import yaml
 
 from ops.common.paths import home
+from pipelines.bench_cycle import copy_base
 from ops.tasks.task_world import DRIFT_FAMILIES
 
 PLAIN_ROLLOUTS = {"curriculum": False, "min_informative_groups": 0, "max_rounds": 1, "guide_after": 0}
@@ -192,7 +193,7 @@ def run_config(name: str, root: Path, cycles: int, base: Path | None, log=print)
         shutil.rmtree(h)
     (h / "models").mkdir(parents=True)
     if base is not None:
-        shutil.copytree(base, h / "models" / "base")
+        config = copy_base(base, h) | config
     config_path = h / "run-config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     summary_path = h / "demo-summary.json"
