@@ -44,6 +44,8 @@ class RolloutsConfig(dg.Config):
     rehearsal_tasks: int = Field(default=0, ge=0, description="Reference solutions of this many unchosen tasks of solved "
                                  "families (bootstrap, or passed at 0.8 or more) added as rows the learner trains by "
                                  "its supervised term alone, against forgetting (0 = none).")
+    rehearsal_pass_rate: float = Field(default=0.8, ge=0, le=1, description="Pass rate from which a drift family counts "
+                                       "as solved for rehearsal; 0 = every family's tasks, unsolved ones included.")
     temperature: float = Field(default=1.0, description="Sampling temperature (> 0; the learner tempers its logits the same).")
     top_p: float = Field(default=1.0, description="Must stay 1: the learner does not renormalize a nucleus.")
     max_tokens: int = 64
@@ -72,7 +74,7 @@ def dynamic_config(config: RolloutsConfig) -> DynamicSamplingConfig:
     return DynamicSamplingConfig(
         max_tasks=config.max_tasks, min_informative_groups=config.min_informative_groups,
         max_rounds=config.max_rounds, max_groups=config.max_groups, guide_after=config.guide_after,
-        rehearsal_tasks=config.rehearsal_tasks,
+        rehearsal_tasks=config.rehearsal_tasks, rehearsal_pass_rate=config.rehearsal_pass_rate,
         curriculum=CurriculumConfig(enabled=config.curriculum, min_weight=config.replay_weight))
 
 

@@ -179,6 +179,12 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                 _supervised(8, 32, tasks=VARIANT_TASKS)),
     "variants-8-aimed": ("variants-8-rehearsal-32 with up to 16 supervised updates on the tokens below -8, anchored",
                          _aimed(16, -8.0, "tokens_anchored", 32, tasks=VARIANT_TASKS)),
+    "variants-8-study-256": ("variants-8 with reference solutions of 256 unchosen tasks of any family (unsolved "
+                             "ones included) as supervised rows",
+                             _cycle_config({"rehearsal_tasks": 256, "rehearsal_pass_rate": 0.0}, tasks=VARIANT_TASKS)),
+    "variants-8-study-256-supervised-8": ("variants-8-study-256 with 8 supervised updates per step",
+                                          _cycle_config({"rehearsal_tasks": 256, "rehearsal_pass_rate": 0.0},
+                                                        _overrides(supervised_updates=8), VARIANT_TASKS)),
     "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
                         {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }

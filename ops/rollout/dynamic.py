@@ -23,7 +23,10 @@ it carries signal:
               supervised term alone, next to the RL loss, so a step that learns one family does
               not unlearn the others (InstructGPT's PPO-ptx mixes its pre-training gradients
               into the RL step for the same reason). They take no group's place and count for
-              no family's pass rate.
+              no family's pass rate. With `rehearsal_pass_rate` 0 the unchosen tasks of every
+              family qualify, the unsolved ones included: a family is then also studied from
+              the verified solutions of many distinct questions, which a tiny policy cannot
+              memorize the way it memorizes the answers of a few guided ones.
 
 It never fails for want of signal: when the pool runs dry or the rounds are spent, the batch is
 what was sampled, and `DynamicBatch.exhausted` says why it stopped. Every sampled episode is kept
@@ -75,8 +78,9 @@ class DynamicSamplingConfig(BaseModel):
                    "supervised rows of their own (source 'rehearsal'); 0 = none")
     ] = 0
     rehearsal_pass_rate: Annotated[
-        float, Field(gt=0, le=1, description="A drift family counts as solved for rehearsal from this pass rate in "
-                     "the history on (bootstrap families always do)")
+        float, Field(ge=0, le=1, description="A drift family counts as solved for rehearsal from this pass rate in "
+                     "the history on (bootstrap families always do); 0 = every family's tasks are rehearsed, unsolved "
+                     "ones included")
     ] = 0.8
     curriculum: Annotated[CurriculumConfig, Field(description="Task weights by estimated pass rate")] = CurriculumConfig()
 
@@ -193,7 +197,8 @@ def sample_informative(
             row["source"] = "rehearsal"
         out.rows += rows  # not screened: no refill depends on them; the rewards stage verifies every row
         out.rehearsal_tasks = [t.task_id for t in rehearse]
-        log(f"rehearsal: reference solutions of {len(rehearse)} tasks of solved families "
+        log(f"rehearsal: reference solutions of {len(rehearse)} tasks of "
+            f"{'solved families' if cfg.rehearsal_pass_rate else 'any family'} "
             f"({', '.join(sorted({t.family for t in rehearse})) or 'none available'})")
     out.seconds = time.monotonic() - start
     return out
@@ -202,13 +207,13 @@ def sample_informative(
 def rehearsal_choice(candidates: list[Task], cfg: DynamicSamplingConfig, history: History,
                      env: Environment | None, seed: str) -> list[Task]:
     """Up to `cfg.rehearsal_tasks` of `candidates` whose family is solved (a bootstrap family, or
-    one the history passes at `rehearsal_pass_rate` or more), a seeded uniform sample in task-id
-    order: the same for the same inputs."""
+    one the history passes at `rehearsal_pass_rate` or more; any family at 0), a seeded uniform
+    sample in task-id order: the same for the same inputs."""
     env = env or get_environment()
     bootstrap = set(env.bootstrap_families)
     solved = [t for t in sorted(candidates, key=lambda t: t.task_id)
-              if t.family in bootstrap or (t.family in history.families
-                                           and history.family_rate(t.family) >= cfg.rehearsal_pass_rate)]
+              if cfg.rehearsal_pass_rate == 0 or t.family in bootstrap
+              or (t.family in history.families and history.family_rate(t.family) >= cfg.rehearsal_pass_rate)]
     chosen = random.Random(seed).sample(solved, min(cfg.rehearsal_tasks, len(solved)))
     return sorted(chosen, key=lambda t: t.task_id)
 
