@@ -194,3 +194,9 @@ def test_rehearsal_adds_verified_solutions_of_solved_families_no_group_sampled(t
                                cycle=2, version=3)
     unsampled = {t.task_id for t in MUL[:6] + add_words} - {r["task_id"] for r in every.rows if r["source"] == "policy"}
     assert set(every.rehearsal_tasks) == unsampled  # every solved-family task left, when fewer than asked
+    # at pass rate 0 every family's unchosen tasks qualify, the unsolved drift family's included
+    studied = many.model_copy(update={"rehearsal_pass_rate": 0.0})
+    wide = sample_informative(engine, tokenizer, pool, history, studied, SamplingConfig(group_size=2), screen,
+                              cycle=2, version=3)
+    left = {t.task_id for t in pool} - {r["task_id"] for r in wide.rows if r["source"] == "policy"}
+    assert set(wide.rehearsal_tasks) == left and "sub_words" in {r["family"] for r in wide.rows if r["source"] == "rehearsal"}
