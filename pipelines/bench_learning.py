@@ -185,6 +185,12 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "variants-8-study-256-supervised-8": ("variants-8-study-256 with 8 supervised updates per step",
                                           _cycle_config({"rehearsal_tasks": 256, "rehearsal_pass_rate": 0.0},
                                                         _overrides(supervised_updates=8), VARIANT_TASKS)),
+    "variants-8-study-256-replay-384": ("variants-8-study-256 with 384 replay tasks (more bootstrap tasks to rehearse)",
+                                       _cycle_config({"rehearsal_tasks": 256, "rehearsal_pass_rate": 0.0},
+                                                     tasks=VARIANT_TASKS | {"min_replay": 384})),
+    "variants-8-study-512-replay-384": ("variants-8-study-256-replay-384 with 512 rehearsed tasks",
+                                       _cycle_config({"rehearsal_tasks": 512, "rehearsal_pass_rate": 0.0},
+                                                     tasks=VARIANT_TASKS | {"min_replay": 384})),
     "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
                         {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }
