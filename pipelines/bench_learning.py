@@ -191,6 +191,15 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "variants-8-study-512-replay-384": ("variants-8-study-256-replay-384 with 512 rehearsed tasks",
                                        _cycle_config({"rehearsal_tasks": 512, "rehearsal_pass_rate": 0.0},
                                                      tasks=VARIANT_TASKS | {"min_replay": 384})),
+    "study-1024-batched": ("24 generated tasks per new failure, 384 replay tasks, reference solutions of 1024 "
+                           "unchosen tasks of any family, and 32 supervised updates of 32 of them each",
+                           _cycle_config({"rehearsal_tasks": 1024, "rehearsal_pass_rate": 0.0},
+                                         _overrides(supervised_updates=32, supervised_batch=32),
+                                         {"variants_per_failure": 24, "min_replay": 384})),
+    "study-512-batched": ("variants-8-study-512-replay-384 with 16 supervised updates of 32 rehearsed solutions each",
+                          _cycle_config({"rehearsal_tasks": 512, "rehearsal_pass_rate": 0.0},
+                                        _overrides(supervised_updates=16, supervised_batch=32),
+                                        VARIANT_TASKS | {"min_replay": 384})),
     "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
                         {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }

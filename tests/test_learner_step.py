@@ -266,3 +266,18 @@ def test_supervised_updates_raise_the_written_solutions_before_the_policy_gradie
     plain = Learner(TINY, LearnerConfig(lr=1e-3, micro_batch_size=8, seed=3, updates_per_step=2))
     plain.train_step(batch)
     assert (learner.sequence_logprobs(written) - before).min() > (plain.sequence_logprobs(written) - before).max() - 1e-6
+
+
+def test_supervised_batches_go_through_the_written_rows_in_turn():
+    """With supervised_batch, each supervised update trains that many written rows, and the updates
+    go through all of them before any row is trained again (a seeded order, the same for the same
+    learner seed)."""
+    batch, written = _batch_with_written_rows()
+    assert written[0].trained_tokens != written[1].trained_tokens
+    cfg = LearnerConfig(lr=1e-3, micro_batch_size=8, seed=3, updates_per_step=1, supervised_updates=4,
+                        supervised_batch=1)
+    tokens = [u["num_tokens"] for u in Learner(TINY, cfg).train_step(batch).updates if u["phase"] == "supervised"]
+    assert sorted(tokens[:2]) == sorted(s.trained_tokens for s in written) and tokens[2:] == tokens[:2]
+    assert [u["num_tokens"] for u in Learner(TINY, cfg).train_step(batch).updates][:4] == tokens
+    whole = Learner(TINY, cfg.model_copy(update={"supervised_batch": 2})).train_step(batch).updates
+    assert [u["num_tokens"] for u in whole[:4]] == [sum(s.trained_tokens for s in written)] * 4

@@ -53,6 +53,13 @@ class LearnerConfig(BaseModel):
               "whatever the loss weight, so a token the policy never emits (log-prob near -20) needs many updates, "
               "not a larger coefficient; the policy-gradient updates' logp_old is the weights after these. 0 = none"),
     ] = 0
+    supervised_batch: Annotated[
+        int | None,
+        Field(gt=0, description="Rows per supervised update: the written solutions, in a seeded shuffled order, "
+              "are split into batches of this many and the updates go through them in turn (one pass over many "
+              "distinct solutions, as fine-tuning is done, instead of every update fitting the same rows again). "
+              "None = every update trains all of them"),
+    ] = None
     supervised_below: Annotated[
         float | None,
         Field(lt=0, description="Only written rows with a trained token whose log-prob (at the row's sampling "

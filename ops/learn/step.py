@@ -34,6 +34,7 @@ Each update's metrics (ops.learn.metrics) are reduced over the data-parallel ran
 from __future__ import annotations
 
 import math
+import random
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -116,18 +117,20 @@ class Learner:
             return result  # nothing to train on: every group filtered, or no trained token
         result.micro_batches = plan.real_global
         self.ddp.train()
-        phases = [("policy-gradient", plan, self.cfg.updates_per_step, [])]
+        phases = [("policy-gradient", [plan], self.cfg.updates_per_step, [])]
         if self.cfg.supervised_updates:
             # reference, rehearsal and anchor rows with a positive reward; every rank holds the same batch
             written = [s for s in batch.samples if s.off_policy and s.reward > 0]
             trained, watched = self._supervised_rows(written)
-            supervised = self._plan(trained, SUPERVISED_LOSS, entropy_bonus=False)
-            if supervised is not None:
-                phases.insert(0, ("supervised", supervised, self.cfg.supervised_updates, watched))
-        for phase, phase_plan, updates, rows in phases:
+            plans = [p for p in (self._plan(rows, SUPERVISED_LOSS, entropy_bonus=False)
+                                 for rows in self._supervised_batches(trained)) if p is not None]
+            if plans:
+                phases.insert(0, ("supervised", plans, self.cfg.supervised_updates, watched))
+        for phase, phase_plans, updates, rows in phases:
             for k in range(updates):
                 if k and rows and not any(map(any, self._below(rows))):
                     break  # every watched token is within the policy's reach now
+                phase_plan = phase_plans[k % len(phase_plans)]
                 coef = self.entropy_coef if phase_plan.entropy_bonus else 0.0
                 metrics = self._update(phase_plan) | {"update": len(result.updates) + 1, "phase": phase,
                                                       "optimizer_step": self.optimizer_updates, "entropy_coef": coef}
@@ -152,6 +155,17 @@ class Learner:
         tokens = [replace(s, sequence=replace(s.sequence, loss_mask=low)) for s, low in zip(written, lows) if any(low)]
         anchors = [s for s, low in zip(written, lows) if not any(low)]
         return tokens + (anchors if self.cfg.supervised_scope == "tokens_anchored" and tokens else []), tokens
+
+    def _supervised_batches(self, rows: list[TrainingSample]) -> list[list[TrainingSample]]:
+        """The supervised updates' batches: all rows at once, or `supervised_batch` rows each in a
+        shuffled order seeded by the learner seed and the optimizer step (the same on every rank,
+        which all hold the same batch)."""
+        size = self.cfg.supervised_batch
+        if not size or len(rows) <= size:
+            return [rows]
+        order = sorted(rows, key=lambda s: (s.group_id, s.sample_index))
+        random.Random(f"{self.cfg.seed}:{self.optimizer_updates}").shuffle(order)
+        return [order[i:i + size] for i in range(0, len(order), size)]
 
     def _below(self, samples: list[TrainingSample]) -> list[list[int]]:
         """Per sample, 1 at each trained token whose log-prob is below `supervised_below`, else 0.
