@@ -281,3 +281,17 @@ def test_supervised_batches_go_through_the_written_rows_in_turn():
     assert [u["num_tokens"] for u in Learner(TINY, cfg).train_step(batch).updates][:4] == tokens
     whole = Learner(TINY, cfg.model_copy(update={"supervised_batch": 2})).train_step(batch).updates
     assert [u["num_tokens"] for u in whole[:4]] == [sum(s.trained_tokens for s in written)] * 4
+
+
+def test_rehearsal_rows_can_be_left_to_the_supervised_updates():
+    """With rehearsal_updates 'supervised', the rehearsal row is trained by the supervised updates
+    and left out of the policy-gradient ones; the reference row stays in both."""
+    batch, written = _batch_with_written_rows()
+    (rehearsal,) = [s for s in batch.samples if s.source == "rehearsal"]
+    assert [s.source for s in written].count("reference") == 1
+    cfg = LearnerConfig(lr=1e-3, micro_batch_size=8, seed=3, updates_per_step=1, supervised_updates=1)
+    both = Learner(TINY, cfg).train_step(batch).updates
+    apart = Learner(TINY, cfg.model_copy(update={"rehearsal_updates": "supervised"})).train_step(batch).updates
+    assert [u["phase"] for u in apart] == ["supervised", "policy-gradient"]
+    assert apart[0]["num_tokens"] == both[0]["num_tokens"] == sum(s.trained_tokens for s in written)
+    assert apart[1]["num_tokens"] == both[1]["num_tokens"] - rehearsal.trained_tokens

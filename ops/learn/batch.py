@@ -58,6 +58,7 @@ class TrainingSample:
     policy_version: int
     off_policy: bool = False  # a reference row: its tokens were written, not sampled by a policy
     temperature: float = 1.0  # the sampling temperature: the learner scores softmax(logits / temperature)
+    source: str = "policy"  # the rollout's source: policy, reference or rehearsal (ops/rollout/dynamic.py)
 
     @property
     def trained_tokens(self) -> int:
@@ -255,7 +256,8 @@ def _sample(key: tuple[str, int], r: dict, advantage: float, reward: float, off_
     seq = Sequence(list(r["prompt_ids"]), list(r["completion_ids"]), [int(m) for m in r["loss_mask"]])
     temperature = r.get("temperature")
     return TrainingSample(key[0], key[1], seq, [float(x) for x in r["behaviour_logprobs"]], advantage, reward,
-                          int(r["policy_version"]), off_policy, 1.0 if temperature is None else float(temperature))
+                          int(r["policy_version"]), off_policy, 1.0 if temperature is None else float(temperature),
+                          rollout_source(r))
 
 
 def _infra_failures(rewards: pa.Table) -> set[tuple[str, int]]:

@@ -60,6 +60,12 @@ class LearnerConfig(BaseModel):
               "distinct solutions, as fine-tuning is done, instead of every update fitting the same rows again). "
               "None = every update trains all of them"),
     ] = None
+    rehearsal_updates: Annotated[
+        Literal["all", "supervised"],
+        Field(description="Which updates train the rehearsal rows: 'all' (the supervised updates, if any, and the "
+              "supervised term of every policy-gradient update) or 'supervised' (the supervised updates alone, so a "
+              "pass over many rehearsed solutions there is not repeated by every policy-gradient update)"),
+    ] = "all"
     supervised_below: Annotated[
         float | None,
         Field(lt=0, description="Only written rows with a trained token whose log-prob (at the row's sampling "

@@ -112,7 +112,10 @@ class Learner:
         `updates_per_step` policy-gradient updates over its kept samples."""
         start = time.perf_counter()
         result = StepResult()
-        plan = self._plan(batch.samples, self.cfg.loss)
+        samples = batch.samples
+        if self.cfg.supervised_updates and self.cfg.rehearsal_updates == "supervised":
+            samples = [s for s in samples if s.source != "rehearsal"]  # the supervised updates train them
+        plan = self._plan(samples, self.cfg.loss)
         if plan is None:
             return result  # nothing to train on: every group filtered, or no trained token
         result.micro_batches = plan.real_global
