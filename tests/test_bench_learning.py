@@ -6,11 +6,13 @@ the README's table is its output.)"""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import dagster as dg
 import pytest
 
 from assets.cycle import CYCLE_JOB
+from assets.policy_checkpoint import PolicyCheckpointConfig, _learner_config
 from pipelines import bench_learning
 from pipelines.cli import main
 
@@ -22,6 +24,9 @@ def test_every_configuration_is_a_valid_run_config(name):
     config = bench_learning.CONFIGS[name][1].get(CYCLE_JOB, {})
     assert set(bench_learning.CONFIGS[name][1]) <= {CYCLE_JOB}
     dg.validate_run_config(defs.resolve_job_def(CYCLE_JOB), config)
+    # the learner config the asset builds from it is valid (learner_overrides_json holds LearnerConfig fields)
+    learner = config.get("ops", {}).get("policy_checkpoint", {}).get("config", {})
+    _learner_config(PolicyCheckpointConfig(**learner), Path("base") / "hf")
 
 
 def test_row_and_table_from_a_demo_summary(tmp_path):
