@@ -60,8 +60,6 @@ def process_kind(argv: list[str]) -> str | None:
     return None
 
 
-
-
 def copy_base(base: Path, h: Path) -> dict:
     """Copy the base policy `base` (a home's models/base) into the new home `h`; the demo's run
     config (by job) under which the bootstrap reuses it as is, whatever base_policy config it was
@@ -129,7 +127,11 @@ def run_bench(cycles: int = 3, base: Path | None = None, log=print, launcher: st
     from ops.cost.meter import detect_gpus
 
     h = Path(tempfile.mkdtemp(prefix="perpetua-bench-cycle-"))
-    summary, memory, demo_wall = run_demo(h, cycles, base, log, launcher)
+    try:
+        summary, memory, demo_wall = run_demo(h, cycles, base, log, launcher)
+    except ValueError:  # a --base the bootstrap would not reuse: refused before the demo started
+        shutil.rmtree(h, ignore_errors=True)
+        raise
     per_cycle = read_breakdowns(h, summary["cycles"])
     measured = per_cycle[1:] if len(per_cycle) > 1 else per_cycle
     total = combine(measured)

@@ -71,3 +71,15 @@ def test_unknown_configuration_is_a_clear_error(capsys, perpetua_home):
     assert "no base policy there" in capsys.readouterr().err
     assert main(["bench", "rollout", "--base", str(perpetua_home)]) != 0
     assert "--base belongs to" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bench", ["learning", "cycle"])
+def test_a_base_the_bootstrap_would_retrain_is_refused(bench, capsys, perpetua_home, tmp_path):
+    """--base DIR trained under another config than it records (or than the defaults) is refused
+    before any demo starts, instead of being silently replaced by a freshly bootstrapped base."""
+    base = tmp_path / "base"
+    (base / "hf").mkdir(parents=True)
+    (base / "hf" / "config.json").write_text("{}")
+    (base / "bootstrap-key.txt").write_text("0123456789abcdef")
+    assert main(["bench", bench, "--base", str(base), "--cycles", "1"]) != 0
+    assert "trained under another base_policy config" in capsys.readouterr().err
