@@ -33,8 +33,8 @@ from pathlib import Path
 import yaml
 
 from ops.common.paths import home
-from pipelines.bench_cycle import copy_base
 from ops.tasks.task_world import DRIFT_FAMILIES
+from pipelines.bench_cycle import copy_base
 
 PLAIN_ROLLOUTS = {"curriculum": False, "min_informative_groups": 0, "max_rounds": 1, "guide_after": 0}
 PLAIN_LEARNER = {"updates_per_step": 2}
@@ -86,6 +86,13 @@ def _aimed(updates: int, below: float, scope: str = "rows", rehearsal: int = 0, 
 # Many generated tasks per new failure: a drift family is learned from a hundred distinct questions
 # instead of a handful the policy can memorize, with a replay pool wide enough to rehearse from.
 VARIANT_TASKS = {"variants_per_failure": 8, "min_replay": 96}
+
+
+def _study(rows: int, tasks: dict, **fields) -> dict:
+    """A cycle config rehearsing the reference solutions of `rows` unchosen tasks of any family
+    (rehearsal_pass_rate 0), on the given task settings, with LearnerConfig `fields` if any."""
+    return _cycle_config({"rehearsal_tasks": rows, "rehearsal_pass_rate": 0.0}, _overrides(**fields) if fields else None,
+                         tasks)
 
 
 CONFIGS: dict[str, tuple[str, dict]] = {
@@ -180,36 +187,25 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "variants-8-aimed": ("variants-8-rehearsal-32 with up to 16 supervised updates on the tokens below -8, anchored",
                          _aimed(16, -8.0, "tokens_anchored", 32, tasks=VARIANT_TASKS)),
     "variants-8-study-256": ("variants-8 with reference solutions of 256 unchosen tasks of any family (unsolved "
-                             "ones included) as supervised rows",
-                             _cycle_config({"rehearsal_tasks": 256, "rehearsal_pass_rate": 0.0}, tasks=VARIANT_TASKS)),
+                             "ones included) as supervised rows", _study(256, VARIANT_TASKS)),
     "variants-8-study-256-supervised-8": ("variants-8-study-256 with 8 supervised updates per step",
-                                          _cycle_config({"rehearsal_tasks": 256, "rehearsal_pass_rate": 0.0},
-                                                        _overrides(supervised_updates=8), VARIANT_TASKS)),
+                                          _study(256, VARIANT_TASKS, supervised_updates=8)),
     "variants-8-study-256-replay-384": ("variants-8-study-256 with 384 replay tasks (more bootstrap tasks to rehearse)",
-                                       _cycle_config({"rehearsal_tasks": 256, "rehearsal_pass_rate": 0.0},
-                                                     tasks=VARIANT_TASKS | {"min_replay": 384})),
+                                       _study(256, VARIANT_TASKS | {"min_replay": 384})),
     "variants-8-study-512-replay-384": ("variants-8-study-256-replay-384 with 512 rehearsed tasks",
-                                       _cycle_config({"rehearsal_tasks": 512, "rehearsal_pass_rate": 0.0},
-                                                     tasks=VARIANT_TASKS | {"min_replay": 384})),
+                                       _study(512, VARIANT_TASKS | {"min_replay": 384})),
     "study-1024-batched": ("24 generated tasks per new failure, 384 replay tasks, reference solutions of 1024 "
                            "unchosen tasks of any family, and 32 supervised updates of 32 of them each",
-                           _cycle_config({"rehearsal_tasks": 1024, "rehearsal_pass_rate": 0.0},
-                                         _overrides(supervised_updates=32, supervised_batch=32),
-                                         {"variants_per_failure": 24, "min_replay": 384})),
+                           _study(1024, {"variants_per_failure": 24, "min_replay": 384}, supervised_updates=32,
+                                  supervised_batch=32)),
     "study-512-batched": ("variants-8-study-512-replay-384 with 16 supervised updates of 32 rehearsed solutions each",
-                          _cycle_config({"rehearsal_tasks": 512, "rehearsal_pass_rate": 0.0},
-                                        _overrides(supervised_updates=16, supervised_batch=32),
-                                        VARIANT_TASKS | {"min_replay": 384})),
+                          _study(512, VARIANT_TASKS | {"min_replay": 384}, supervised_updates=16, supervised_batch=32)),
     "study-512-apart": ("study-512-batched with the rehearsed solutions trained by the supervised updates alone",
-                        _cycle_config({"rehearsal_tasks": 512, "rehearsal_pass_rate": 0.0},
-                                      _overrides(supervised_updates=16, supervised_batch=32,
-                                                 rehearsal_updates="supervised"),
-                                      VARIANT_TASKS | {"min_replay": 384})),
+                        _study(512, VARIANT_TASKS | {"min_replay": 384}, supervised_updates=16, supervised_batch=32,
+                               rehearsal_updates="supervised")),
     "study-1024-apart": ("study-1024-batched with the rehearsed solutions trained by the supervised updates alone",
-                         _cycle_config({"rehearsal_tasks": 1024, "rehearsal_pass_rate": 0.0},
-                                       _overrides(supervised_updates=32, supervised_batch=32,
-                                                  rehearsal_updates="supervised"),
-                                       {"variants_per_failure": 24, "min_replay": 384})),
+                         _study(1024, {"variants_per_failure": 24, "min_replay": 384}, supervised_updates=32,
+                                supervised_batch=32, rehearsal_updates="supervised")),
     "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
                         {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
 }
