@@ -227,6 +227,7 @@ def policy_checkpoint(
         # the stage's engine compute is every iteration's (ops/bench/cycle.py)
         metadata["engine_seconds"] = dg.MetadataValue.float(float(records[0]["engine_seconds"]) + more["compute_s"])
         metadata["cycle_rollouts_after_first"] = sum(r["rollouts"] for r in records[1:])
+        metadata["cycle_rehearsal_rollouts_after_first"] = sum(r["rehearsal_rollouts"] for r in records[1:])
     return dg.MaterializeResult(metadata=metadata, data_version=data_version)
 
 
@@ -320,5 +321,6 @@ def _iteration_record(iteration: int, learner: dict, rollouts: Path, rewards: Pa
               "entropy": _value(learner.get("entropy")), "loss": _value(learner.get("loss"))}
     if sampled is not None and scored is not None:
         record |= {"rollouts": _value(sampled["rollouts"]), "informative_groups": _value(sampled["informative_groups"]),
+                   "rehearsal_rollouts": _value(sampled.get("rehearsal_rollouts", 0)),
                    "mean_reward": _value(scored["mean_reward"])}
     return record

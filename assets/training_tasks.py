@@ -25,6 +25,9 @@ class TrainingTasksConfig(dg.Config):
     bootstrap_share: float = Field(default=0.5, description="Share of replay from bootstrap families.")
     variants_per_failure: int = Field(default=0, ge=0, description="Generated train tasks of a new failure's family "
                                       "per new train failure (0 = none).")
+    family_floor: int = Field(default=0, ge=0, description="Train tasks every family keeps in the set at least: a "
+                              "drift family met so far its earlier tasks, then generated variants of them; a bootstrap "
+                              "family more bootstrap replay tasks (0 = no floor).")
 
 
 @dg.asset(
@@ -42,6 +45,7 @@ def training_tasks(context: dg.AssetExecutionContext, config: TrainingTasksConfi
         min_replay=config.min_replay,
         bootstrap_share=config.bootstrap_share,
         variants_per_failure=config.variants_per_failure,
+        family_floor=config.family_floor,
     )
     env = home_environment()
     task_set, path = build_and_write_training_tasks(read_failures(), settings, env=env)

@@ -88,11 +88,16 @@ def _aimed(updates: int, below: float, scope: str = "rows", rehearsal: int = 0, 
 VARIANT_TASKS = {"variants_per_failure": 8, "min_replay": 96}
 
 
-def _study(rows: int, tasks: dict, **fields) -> dict:
+def _study(rows: int, tasks: dict, mix: str = "pool", **fields) -> dict:
     """A cycle config rehearsing the reference solutions of `rows` unchosen tasks of any family
-    (rehearsal_pass_rate 0), on the given task settings, with LearnerConfig `fields` if any."""
-    return _cycle_config({"rehearsal_tasks": rows, "rehearsal_pass_rate": 0.0}, _overrides(**fields) if fields else None,
-                         tasks)
+    (rehearsal_pass_rate 0, drawn as `mix` says), on the given task settings, with LearnerConfig
+    `fields` if any."""
+    rollouts = {"rehearsal_tasks": rows, "rehearsal_pass_rate": 0.0} | ({"rehearsal_mix": mix} if mix != "pool" else {})
+    return _cycle_config(rollouts, _overrides(**fields) if fields else None, tasks)
+
+
+# study-512-apart's settings, the basis of the family-balanced configurations.
+STUDY_APART = {"supervised_updates": 16, "supervised_batch": 32, "rehearsal_updates": "supervised"}
 
 
 CONFIGS: dict[str, tuple[str, dict]] = {
@@ -203,6 +208,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "study-512-apart": ("study-512-batched with the rehearsed solutions trained by the supervised updates alone",
                         _study(512, VARIANT_TASKS | {"min_replay": 384}, supervised_updates=16, supervised_batch=32,
                                rehearsal_updates="supervised")),
+    "study-512-balanced": ("study-512-apart with the rehearsal split evenly across families and every drift family "
+                           "kept at 128 train tasks or more (its earlier tasks, then variants of them)",
+                           _study(512, VARIANT_TASKS | {"min_replay": 384, "family_floor": 128}, "family",
+                                  **STUDY_APART)),
     "study-1024-apart": ("study-1024-batched with the rehearsed solutions trained by the supervised updates alone",
                          _study(1024, {"variants_per_failure": 24, "min_replay": 384}, supervised_updates=32,
                                 supervised_batch=32, rehearsal_updates="supervised")),
@@ -262,6 +271,7 @@ def summarize(name: str, h: Path, summary: dict, wall: float) -> dict:
         "deciding_pass_at_1_overall": round(serving["deciding"]["pass_at_1"], 4),
         "informative_samples": [r["informative_samples"] for r in rows],
         "rollouts": [r["rollouts"] for r in rows],
+        "rehearsal_rows": [r.get("rehearsal_rows", 0) for r in rows],
         "deployed": [r["deployed"] for r in rows],
         "cpu_core_seconds": round(cpu, 1),
         "cost_usd": round(spent, 6),
@@ -314,7 +324,9 @@ def format_table(result: dict) -> str:
         "deciding pass@1", "informative / rollouts", "CPU s", "intelligence/$"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in result["configs"]:
-        inf = "; ".join(f"{i}/{n}" for i, n in zip(r["informative_samples"], r["rollouts"]))
+        rehearsed = r.get("rehearsal_rows") or [0] * len(r["rollouts"])  # written rows outside any group
+        inf = "; ".join(f"{i}/{n}" + (f" ({k} rehearsal)" if k else "")
+                        for i, n, k in zip(r["informative_samples"], r["rollouts"], rehearsed))
         cells = [r["name"], _fmt(r["final_failure_rate_overall"])] + [_fmt(r["final_failure_rate"].get(f)) for f in families]
         cells += [_fmt(r["deciding_pass_at_1_overall"]), inf, f"{r['cpu_core_seconds']:.0f}",
                   _fmt(r["intelligence_per_dollar"], ".1f")]

@@ -105,6 +105,9 @@ def cycle_row(cycle: int, result, traffic: dict, parent: str, wall: float) -> di
         "failures_harvested": harvested.get("harvested", 0),
         # every on-policy iteration's rollouts (the later ones are the learner stage's)
         "rollouts": rollouts.get("rollouts", 0) + learner.get("cycle_rollouts_after_first", 0),
+        # of them, rehearsal rows: written solutions of tasks no group sampled (no group, so no
+        # GRPO signal to carry); the informative share is taken over the other rollouts
+        "rehearsal_rows": rollouts.get("rehearsal_rollouts", 0) + learner.get("cycle_rehearsal_rollouts_after_first", 0),
         "mean_reward": rewards.get("mean_reward"),
         "champion_score": report.get("champion_score"),
         "candidate_score": report.get("candidate_score"),
@@ -134,12 +137,19 @@ def cycle_row(cycle: int, result, traffic: dict, parent: str, wall: float) -> di
     }
 
 
+def informative_share(row: dict) -> float | None:
+    """Informative samples over the rollouts sampled in groups (rehearsal rows have no group)."""
+    grouped = (row.get("rollouts") or 0) - (row.get("rehearsal_rows") or 0)
+    return None if row.get("informative_samples") is None or grouped <= 0 else row["informative_samples"] / grouped
+
+
 def print_row(row: dict) -> None:
     f = lambda x, spec=".3f": "-" if x is None else format(x, spec)  # noqa: E731
     ci = lambda c: "-" if not c else f"[{c[0]:.2f},{c[1]:.2f}]"  # noqa: E731
-    print(f"cycle {row['cycle']}: harvested {row['failures_harvested']} failures, {row['rollouts']} rollouts, "
-          f"mean reward {f(row['mean_reward'])}, {row['informative_samples'] or 0} informative samples, "
-          f"entropy {f(row['policy_entropy'])}")
+    rehearsed = f" ({row['rehearsal_rows']} of them rehearsal rows)" if row.get("rehearsal_rows") else ""
+    print(f"cycle {row['cycle']}: harvested {row['failures_harvested']} failures, {row['rollouts']} rollouts{rehearsed}, "
+          f"mean reward {f(row['mean_reward'])}, {row['informative_samples'] or 0} informative samples "
+          f"({f(informative_share(row), '.0%')} of the rollouts in groups), entropy {f(row['policy_entropy'])}")
     print(f"  champion {f(row['champion_score'])} {ci(row['champion_ci'])}  candidate {f(row['candidate_score'])} "
           f"{ci(row['candidate_ci'])}  gain CI {ci(row['gain_ci'])} ({row['gate_test']}, {row['deciding_set_size']} tasks)"
           f"  known failures fixed {'-' if not row['known_failures_fixed'] else '/'.join(map(str, row['known_failures_fixed']))}")

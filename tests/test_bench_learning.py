@@ -13,7 +13,7 @@ import pytest
 
 from assets.cycle import CYCLE_JOB
 from assets.policy_checkpoint import PolicyCheckpointConfig, _learner_config
-from pipelines import bench_learning
+from pipelines import bench_learning, demo
 from pipelines.cli import main
 
 
@@ -44,7 +44,7 @@ def test_row_and_table_from_a_demo_summary(tmp_path):
             {"cycle": 1, "deployed": False, "champion_score": 0.1, "candidate_score": 0.05, "cost_usd": 0.001,
              "informative_samples": 40, "rollouts": 400},
             {"cycle": 2, "deployed": True, "champion_score": 0.1, "candidate_score": 0.4, "cost_usd": 0.002,
-             "informative_samples": 300, "rollouts": 420},
+             "informative_samples": 300, "rollouts": 420, "rehearsal_rows": 120},
         ],
         "production_failure_rate": [{"cycle": c, "family": f, "rate": r} for c, f, r in
                                     ((1, "add_words", 1.0), (1, "add", 0.0), (3, "add_words", 0.25), (3, "add", 0.0))],
@@ -59,7 +59,10 @@ def test_row_and_table_from_a_demo_summary(tmp_path):
     assert row["intelligence_per_dollar"] == pytest.approx((0.4 - 0.1) / 0.003, rel=1e-3)
     table = bench_learning.format_table({"configs": [row]})
     assert table.splitlines()[0].startswith("| config | failure after (overall) | add_words fail | add fail")
-    assert "| defaults | 0.12 | 0.25 | 0.00 |" in table and "40/400; 300/420" in table
+    assert "| defaults | 0.12 | 0.25 | 0.00 |" in table and "40/400; 300/420 (120 rehearsal)" in table
+    assert row["rehearsal_rows"] == [0, 120]
+    # the informative share leaves out the rehearsal rows, which belong to no group
+    assert [demo.informative_share(c) for c in summary["cycles"]] == [0.1, 1.0]
 
 
 def test_unknown_configuration_is_a_clear_error(capsys, perpetua_home):

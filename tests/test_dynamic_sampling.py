@@ -200,3 +200,24 @@ def test_rehearsal_adds_verified_solutions_of_solved_families_no_group_sampled(t
                               cycle=2, version=3)
     left = {t.task_id for t in pool} - {r["task_id"] for r in wide.rows if r["source"] == "policy"}
     assert set(wide.rehearsal_tasks) == left and "sub_words" in {r["family"] for r in wide.rows if r["source"] == "rehearsal"}
+
+
+def test_family_rehearsal_splits_evenly_across_families_whatever_the_pool_holds():
+    """'family' mix: a family with few unchosen tasks gives all of them and the others share the
+    rest evenly, where a uniform draw follows the pool (mostly the family that failed last)."""
+    from ops.rollout.dynamic import rehearsal_choice
+
+    pool = (task_world.generate_tasks("mul_words", 90, seed=5) + task_world.generate_tasks("sub_words", 6, seed=5)
+            + task_world.generate_tasks("add", 24, seed=5))
+    cfg = DynamicSamplingConfig(rehearsal_tasks=30, rehearsal_pass_rate=0.0, rehearsal_mix="family")
+    chosen = rehearsal_choice(pool, cfg, EMPTY_HISTORY, None, seed="rehearsal:4")
+    by_family = {f: sum(t.family == f for t in chosen) for f in ("mul_words", "sub_words", "add")}
+    assert by_family == {"sub_words": 6, "add": 12, "mul_words": 12}
+    assert [t.task_id for t in chosen] == sorted(t.task_id for t in chosen) and len(set(chosen)) == 30
+    assert rehearsal_choice(list(reversed(pool)), cfg, EMPTY_HISTORY, None, seed="rehearsal:4") == chosen
+    uniform = rehearsal_choice(pool, cfg.model_copy(update={"rehearsal_mix": "pool"}), EMPTY_HISTORY, None,
+                               seed="rehearsal:4")
+    assert len(uniform) == 30 and sum(t.family == "sub_words" for t in uniform) < 6
+    # asking for more than there is gives every qualifying task, either way
+    everything = cfg.model_copy(update={"rehearsal_tasks": 500})
+    assert len(rehearsal_choice(pool, everything, EMPTY_HISTORY, None, seed="s")) == len(pool)

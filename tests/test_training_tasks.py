@@ -181,6 +181,41 @@ def test_failures_of_a_set_no_learner_trained_on_stay_new(perpetua_home):
     assert {r["family"] for r in rows if r["source"] == "failure" and r["split"] == "train"} == {"mul_words"}
 
 
+def test_family_floor_keeps_every_drift_family_met_in_the_set(perpetua_home):
+    """A family fixed earlier does not thin out of the set when another fails in bulk: with
+    `family_floor` n it keeps n train tasks, its earlier ones first, then variants of them that
+    carry their trace ids; a bootstrap family gets more bootstrap replay tasks; deterministic."""
+    land_failures(generate_tasks("sub_words", 12, seed=4))
+    _, first_path = build_and_write_training_tasks(read_failures())
+    assert mark_trained(first_path)
+    land_failures(generate_tasks("mul_words", 60, seed=4), start=1000)
+    failures = read_failures()
+    previous = read_training_tasks(first_path)
+    settings = TrainingTaskConfig(min_replay=8, bootstrap_share=0.5, variants_per_failure=2)
+    plain = build_training_tasks(failures, previous, settings)
+    floored = build_training_tasks(failures, previous, settings.model_copy(update={"family_floor": 40}))
+
+    def train(task_set, family):
+        return [r for r in task_set.table.to_pylist() if r["family"] == family and r["split"] == "train"]
+
+    earlier = {t.task_id for t in generate_tasks("sub_words", 12, seed=4) if split_of(t.task_id) == "train"}
+    assert len(train(plain, "sub_words")) < 12 <= 40 == len(train(floored, "sub_words"))
+    sub = train(floored, "sub_words")
+    assert earlier <= {r["task_id"] for r in sub if r["source"] == "replay_previous"}  # every earlier task first
+    variants = [r for r in sub if r["source"] == "variant"]
+    assert len(variants) == 40 - len(earlier) and all(not is_held_out(r["task_id"]) for r in variants)
+    assert all(r["answer"] == calc(r["expression"]) and r["source_trace_ids"] for r in variants)
+    traces = {tid for r in sub if r["source"] != "variant" for tid in r["source_trace_ids"]}
+    assert {tid for r in variants for tid in r["source_trace_ids"]} <= traces
+    assert len(train(floored, "mul_words")) == len(train(plain, "mul_words")) >= 40  # at the floor already: as is
+    for fam in BOOTSTRAP_FAMILIES:
+        assert len(train(plain, fam)) < 40 == len(train(floored, fam))
+        assert {r["source"] for r in train(floored, fam)} == {"replay_bootstrap"}
+    assert len({r["task_id"] for r in floored.table.to_pylist()}) == floored.table.num_rows
+    assert build_training_tasks(failures, previous, settings.model_copy(update={"family_floor": 40})).data_version \
+        == floored.data_version
+
+
 def test_assets_materialize_with_lineage(perpetua_home, monkeypatch):
     from assets.harvested_failures import harvested_failures
     from assets.resources import MlflowTracking

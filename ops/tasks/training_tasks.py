@@ -21,6 +21,12 @@ Why it is shaped like this:
   tasks (the SFT distribution), `replay_ratio` replay tasks per new task (at least
   `min_replay`). Sampling is by hash, so the set is a deterministic function of its inputs, and
   its `table_hash` is its data version.
+- *Every family keeps a floor.* A uniform replay sample follows the pool, and the pool follows
+  whichever family failed most lately: a family fixed cycles ago thins out of the set (and out
+  of what the rollout stage can rehearse) until learning the next one overwrites it. With
+  `family_floor` n, every family keeps at least n train tasks: a drift family the harvest has
+  met its earlier tasks first, then generated variants of them (carrying their trace ids); a
+  bootstrap family more tasks of the bootstrap replay pool.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -77,6 +84,11 @@ class TrainingTaskConfig(BaseModel):
     bootstrap_pool_per_family: Annotated[int, Field(ge=1, description="Bootstrap tasks generated per family to sample from.")] = 200
     variants_per_failure: Annotated[
         int, Field(ge=0, description="Generated train tasks of a new failure's family per new train failure (0 = none).")
+    ] = 0
+    family_floor: Annotated[
+        int, Field(ge=0, description="Train tasks every family keeps in the set at least: a drift family met so "
+                   "far its earlier tasks first, then generated variants of them; a bootstrap family more bootstrap "
+                   "replay tasks (0 = no floor).")
     ] = 0
     seed: Annotated[int, Field(description="Salt of the replay sample.")] = 0
 
@@ -169,6 +181,8 @@ def build_training_tasks(
     new_failures = [r for r in rows.values() if r["split"] == "train" and r["source"] == "failure"]
     for r in _variants(new_failures, settings.variants_per_failure, env, taken=rows.keys() | replay_pool.keys()):
         rows[r["task_id"]] = r
+    for r in _family_floor(rows, replay_pool, bootstrap_pool, settings.family_floor, env, salt):
+        rows[r["task_id"]] = r
 
     table = pa.Table.from_pylist(sorted(rows.values(), key=lambda r: (r["split"], r["source"], r["task_id"])), schema=TRAINING_TASKS)
     table = table.replace_schema_metadata({**TRAINING_TASKS.metadata, b"perpetua.harvest_generation": str(newest).encode()})
@@ -212,6 +226,32 @@ def _variants(failures: list[dict], k: int, env: Environment, taken) -> list[dic
                               "source_trace_ids": f["source_trace_ids"], "failure_type": f["failure_type"],
                               "last_generation": f["last_generation"]}
     return list(out.values())
+
+
+def _family_floor(rows: dict[str, dict], replay_pool: dict[str, dict], bootstrap_pool: dict[str, dict], floor: int,
+                  env: Environment, salt: str) -> list[dict]:
+    """Rows that lift every family of the set, the replay pool or the bootstrap to `floor` train
+    tasks: the family's unsampled tasks of its pool (by hash, as `_sample`; a bootstrap family's
+    pool is the bootstrap replay pool), then, for a drift family, variants of its tasks."""
+    if not floor:
+        return []
+    bootstrap = set(env.bootstrap_families)
+    have = Counter(r["family"] for r in rows.values() if r["split"] == "train")
+    out: list[dict] = []
+    for fam in sorted({r["family"] for r in (*rows.values(), *replay_pool.values())} | bootstrap):
+        deficit = floor - have[fam]
+        if deficit <= 0:
+            continue
+        pool = {k: r for k, r in (bootstrap_pool if fam in bootstrap else replay_pool).items()
+                if r["family"] == fam and k not in rows}
+        replayed = _sample(pool, min(deficit, len(pool)), salt)
+        deficit -= len(replayed)
+        seeds = [r for r in (*rows.values(), *replayed) if r["family"] == fam and r["split"] == "train"]
+        taken = rows.keys() | replay_pool.keys()
+        widened = _variants(seeds, math.ceil(deficit / len(seeds)), env, taken) \
+            if deficit > 0 and seeds and fam not in bootstrap else []
+        out += replayed + widened[:deficit]
+    return out
 
 
 def _bootstrap_row(t: Task, env: Environment) -> dict:
