@@ -208,10 +208,14 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "study-512-apart": ("study-512-batched with the rehearsed solutions trained by the supervised updates alone",
                         _study(512, VARIANT_TASKS | {"min_replay": 384}, supervised_updates=16, supervised_batch=32,
                                rehearsal_updates="supervised")),
-    "study-512-balanced": ("study-512-apart with the rehearsal split evenly across families and every drift family "
-                           "kept at 128 train tasks or more (its earlier tasks, then variants of them)",
+    "study-512-balanced": ("study-512-apart with the rehearsal split evenly across families and every family kept "
+                           "at 128 train tasks or more (earlier tasks, then variants; bootstrap replay for the "
+                           "bootstrap families)",
                            _study(512, VARIANT_TASKS | {"min_replay": 384, "family_floor": 128}, "family",
                                   **STUDY_APART)),
+    "study-512-balanced-after": ("study-512-balanced with the supervised updates after the policy-gradient ones",
+                                 _study(512, VARIANT_TASKS | {"min_replay": 384, "family_floor": 128}, "family",
+                                        **STUDY_APART, supervised_order="after")),
     "study-1024-apart": ("study-1024-batched with the rehearsed solutions trained by the supervised updates alone",
                          _study(1024, {"variants_per_failure": 24, "min_replay": 384}, supervised_updates=32,
                                 supervised_batch=32, rehearsal_updates="supervised")),

@@ -27,8 +27,9 @@ perpetua_cycle:
     eval_report: {config: {drift_per_family: 8, guard_per_family: 8, production_tasks: 8}}
 """
 
-# The second run: two on-policy iterations per cycle (rollouts by the newest weights, verified, a step).
-ITERATING = SMALL + """    policy_checkpoint: {config: {iterations: 2}}
+# The second run: two on-policy iterations per cycle (rollouts by the newest weights, verified, a
+# step), each with the reference solutions of a few unchosen tasks rehearsed.
+ITERATING = SMALL.replace("group_size: 4}", "group_size: 4, rehearsal_tasks: 3}") + """    policy_checkpoint: {config: {iterations: 2}}
 """
 
 # docs/architecture.md, `demo --summary FILE` (fixed keys).
@@ -89,6 +90,13 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
     (row2,) = json.loads((tmp_path / "second.json").read_text())["cycles"]
     # v2 from the cycle's rollouts, v3 from the rollouts v2 sampled: the candidate is the last
     assert row2["cycle"] == 2 and row2["iterations"] == 2 and row2["policy_version"] == 3
+    # rehearsal rows of both iterations are counted apart from the rollouts sampled in groups
+    from ops.reward.scoring import rollouts_path
+    import pyarrow.parquet as pq
+
+    sources = [s for i in (1, 2) for s in pq.read_table(rollouts_path(home / "data", 2, i)).column("source").to_pylist()]
+    assert len(sources) == row2["rollouts"] and 0 < sources.count("rehearsal") == row2["rehearsal_rows"] <= 6
+    assert 0 <= row2["informative_samples"] <= row2["rollouts"] - row2["rehearsal_rows"]
     assert "bootstrap" in second.stdout  # the base policy is reused, not retrained
     assert "reusing it" in second.stderr + second.stdout
 

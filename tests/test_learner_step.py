@@ -295,3 +295,18 @@ def test_rehearsal_rows_can_be_left_to_the_supervised_updates():
     assert [u["phase"] for u in apart] == ["supervised", "policy-gradient"]
     assert apart[0]["num_tokens"] == both[0]["num_tokens"] == sum(s.trained_tokens for s in written)
     assert apart[1]["num_tokens"] == both[1]["num_tokens"] - rehearsal.trained_tokens
+
+
+def test_supervised_updates_can_follow_the_policy_gradient_ones():
+    """supervised_order 'after': the policy-gradient update runs first, on the weights the step
+    started from (the same update as a step without supervised updates), then the supervised one."""
+    batch, written = _batch_with_written_rows()
+    cfg = LearnerConfig(lr=1e-3, micro_batch_size=8, seed=3, updates_per_step=1, supervised_updates=1,
+                        supervised_order="after")
+    after = Learner(TINY, cfg).train_step(batch).updates
+    alone = Learner(TINY, cfg.model_copy(update={"supervised_updates": 0})).train_step(batch).updates
+    before = Learner(TINY, cfg.model_copy(update={"supervised_order": "before"})).train_step(batch).updates
+    assert [u["phase"] for u in after] == ["policy-gradient", "supervised"]
+    assert after[0]["loss"] == pytest.approx(alone[0]["loss"], rel=1e-5) and after[0]["loss"] != pytest.approx(
+        before[1]["loss"], rel=1e-5)
+    assert after[1]["num_tokens"] == before[0]["num_tokens"] == sum(s.trained_tokens for s in written)

@@ -66,6 +66,12 @@ class LearnerConfig(BaseModel):
               "supervised term of every policy-gradient update) or 'supervised' (the supervised updates alone, so a "
               "pass over many rehearsed solutions there is not repeated by every policy-gradient update)"),
     ] = "all"
+    supervised_order: Annotated[
+        Literal["before", "after"],
+        Field(description="When the supervised updates run in the step: 'before' the policy-gradient updates, or "
+              "'after' them (the policy-gradient updates then start on-policy, and the pass over the written "
+              "solutions, rehearsal included, is the step's last word on every family)"),
+    ] = "before"
     supervised_below: Annotated[
         float | None,
         Field(lt=0, description="Only written rows with a trained token whose log-prob (at the row's sampling "

@@ -108,8 +108,8 @@ class Learner:
     # -- the step --
 
     def train_step(self, batch: TrainingBatch, on_update: Callable[[dict], None] | None = None) -> StepResult:
-        """`supervised_updates` updates on the batch's verified written solutions, if any, then
-        `updates_per_step` policy-gradient updates over its kept samples."""
+        """`supervised_updates` updates on the batch's verified written solutions, if any, and
+        `updates_per_step` policy-gradient updates over its kept samples, in `supervised_order`."""
         start = time.perf_counter()
         result = StepResult()
         samples = batch.samples
@@ -128,7 +128,8 @@ class Learner:
             plans = [p for p in (self._plan(rows, SUPERVISED_LOSS, entropy_bonus=False)
                                  for rows in self._supervised_batches(trained)) if p is not None]
             if plans:
-                phases.insert(0, ("supervised", plans, self.cfg.supervised_updates, watched))
+                phases.insert(0 if self.cfg.supervised_order == "before" else 1,
+                              ("supervised", plans, self.cfg.supervised_updates, watched))
         for phase, phase_plans, updates, rows in phases:
             for k in range(updates):
                 if k and rows and not any(map(any, self._below(rows))):
