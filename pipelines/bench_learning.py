@@ -216,6 +216,15 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "study-512-balanced-after": ("study-512-balanced with the supervised updates after the policy-gradient ones",
                                  _study(512, VARIANT_TASKS | {"min_replay": 384, "family_floor": 128}, "family",
                                         **STUDY_APART, supervised_order="after")),
+    "study-512-balanced-anchors": ("study-512-balanced with the policy's own successes of all-pass groups as "
+                                   "supervised anchors in the policy-gradient updates",
+                                   _study(512, VARIANT_TASKS | {"min_replay": 384, "family_floor": 128}, "family",
+                                          **STUDY_APART, loss={"anchor_solved": True})),
+    "study-512-balanced-anchors-after": ("study-512-balanced-anchors with the supervised updates after the "
+                                         "policy-gradient ones",
+                                         _study(512, VARIANT_TASKS | {"min_replay": 384, "family_floor": 128},
+                                                "family", **STUDY_APART, supervised_order="after",
+                                                loss={"anchor_solved": True})),
     "study-1024-apart": ("study-1024-batched with the rehearsed solutions trained by the supervised updates alone",
                          _study(1024, {"variants_per_failure": 24, "min_replay": 384}, supervised_updates=32,
                                 supervised_batch=32, rehearsal_updates="supervised")),
