@@ -250,6 +250,10 @@ def test_all_pass_groups_can_be_kept_as_supervised_anchors():
     assert (anchored.stats.anchor_samples, anchored.stats.reference_samples) == (4, 0)
     assert anchored.stats.informative_samples == plain.stats.informative_samples == plain.stats.samples_kept == 8
     assert [s for s in anchored.samples if s.group_id != groups[0]] == plain.samples
+    # at most k anchors per all-pass group, the first by sample index; the rest of the batch as is
+    capped = build_training_batch(rollouts, rewards, anchor_solved=True, anchors_per_group=2)
+    assert [s.sample_index for s in by_group(capped, groups[0])] == [0, 1] and capped.stats.anchor_samples == 2
+    assert [s for s in capped.samples if s.group_id != groups[0]] == plain.samples
 
 
 def test_rehearsal_rows_are_kept_apart_for_the_supervised_term_when_verified():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -155,6 +156,7 @@ def build_training_batch(
     max_length: int | None = None,
     reference_in_group: bool = True,
     anchor_solved: bool = False,
+    anchors_per_group: int | None = None,
 ) -> TrainingBatch:
     """Join, validate, compute advantages and filter (see the module docstring).
 
@@ -166,7 +168,8 @@ def build_training_batch(
     With `anchor_solved` the samples of an all-pass group (a task the policy already solves: no
     policy-gradient signal) are kept too, with advantage 0 and marked like reference rows, so the
     loss trains them by the supervised term alone: replayed solved tasks then hold what the policy
-    has learned while the step trains other families, instead of being dropped.
+    has learned while the step trains other families, instead of being dropped; at most
+    `anchors_per_group` of each group's (the first by sample index), when given.
 
     Rehearsal rows (`source` "rehearsal": reference solutions of solved families' tasks that no
     group sampled) are always kept apart with advantage 0, like reference rows kept apart, when
@@ -196,6 +199,8 @@ def build_training_batch(
     # A dropped sample is in an all-equal group; with a positive reward the whole group passed.
     anchor = [anchor_solved and s == "policy" and not bool(adv.keep[i]) and bool(reward[i] > 0)
               for i, s in enumerate(source)]
+    if anchors_per_group is not None:
+        anchor = _first_per_group(anchor, keys, anchors_per_group)
     samples = [_sample(key, by_key[key], 0.0 if a or an else float(adv.advantages[i]), float(reward[i]), ref or an)
                for i, (key, ref, a, an) in enumerate(zip(keys, reference, apart, anchor)) if a or an or bool(adv.keep[i])]
     stats = _batch_stats(keys, reward_of, reward, adv, samples, len(infra), anchors=sum(anchor),
@@ -265,6 +270,18 @@ def _infra_failures(rewards: pa.Table) -> set[tuple[str, int]]:
         return set()
     rows = rewards.select(["group_id", "sample_index", "infra_failure"]).to_pylist()
     return {(r["group_id"], r["sample_index"]) for r in rows if r["infra_failure"]}
+
+
+def _first_per_group(marked: list[bool], keys: list[tuple[str, int]], limit: int) -> list[bool]:
+    """`marked`, with at most `limit` marks per group: those of the lowest sample indices (`keys`,
+    (group_id, sample_index), are sorted)."""
+    taken: Counter = Counter()
+    out = [False] * len(marked)
+    for i, (group, _) in enumerate(keys):
+        if marked[i] and taken[group] < limit:
+            taken[group] += 1
+            out[i] = True
+    return out
 
 
 def _batch_stats(keys, reward_of: dict, reward: torch.Tensor, adv: GroupAdvantages, samples: list[TrainingSample],

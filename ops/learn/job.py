@@ -242,7 +242,8 @@ def _read_inputs(job: LearnerJob) -> _Inputs:
     batch = build_training_batch(rollouts, rewards, job.learner.advantage, vocab_size=policy.vocab_size,
                                  max_length=policy.max_position_embeddings,
                                  reference_in_group=job.learner.loss.off_policy != "sft",
-                                 anchor_solved=job.learner.loss.anchor_solved)
+                                 anchor_solved=job.learner.loss.anchor_solved,
+                                 anchors_per_group=job.learner.loss.anchors_per_group)
     return _Inputs(policy, init_config, tokenizer, batch)
 
 

@@ -125,6 +125,12 @@ class LossConfig(BaseModel):
               "supervised rows: sft_coef * NLL on the policy's own verified successes, which holds what it has "
               "learned while the step trains other families (needs sft_coef > 0)"),
     ] = False
+    anchors_per_group: Annotated[
+        int | None,
+        Field(ge=1, description="With anchor_solved, keep at most this many samples of each all-pass group (the "
+              "first by sample index): every solved task still anchors, with fewer rows to outweigh the families "
+              "the step is learning; None = all of them"),
+    ] = None
 
     @model_validator(mode="after")
     def _check(self) -> "LossConfig":
