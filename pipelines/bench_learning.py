@@ -96,8 +96,14 @@ def _study(rows: int, tasks: dict, mix: str = "pool", **fields) -> dict:
     return _cycle_config(rollouts, _overrides(**fields) if fields else None, tasks)
 
 
-# study-512-apart's settings, the basis of the family-balanced configurations.
+# study-512-apart's learner settings (it and the family-balanced configurations use them).
 STUDY_APART = {"supervised_updates": 16, "supervised_batch": 32, "rehearsal_updates": "supervised"}
+
+
+def _balanced(**fields) -> dict:
+    """study-512-apart with the rehearsal split evenly across families and a floor of 128 train
+    tasks per family, with further LearnerConfig `fields`."""
+    return _study(512, VARIANT_TASKS | {"min_replay": 384, "family_floor": 128}, "family", **STUDY_APART, **fields)
 
 
 CONFIGS: dict[str, tuple[str, dict]] = {
@@ -206,29 +212,22 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "study-512-batched": ("variants-8-study-512-replay-384 with 16 supervised updates of 32 rehearsed solutions each",
                           _study(512, VARIANT_TASKS | {"min_replay": 384}, supervised_updates=16, supervised_batch=32)),
     "study-512-apart": ("study-512-batched with the rehearsed solutions trained by the supervised updates alone",
-                        _study(512, VARIANT_TASKS | {"min_replay": 384}, supervised_updates=16, supervised_batch=32,
-                               rehearsal_updates="supervised")),
+                        _study(512, VARIANT_TASKS | {"min_replay": 384}, **STUDY_APART)),
     "study-512-balanced": ("study-512-apart with the rehearsal split evenly across families and every family kept "
                            "at 128 train tasks or more (earlier tasks, then variants; bootstrap replay for the "
                            "bootstrap families)",
-                           _study(512, VARIANT_TASKS | {"min_replay": 384, "family_floor": 128}, "family",
-                                  **STUDY_APART)),
+                           _balanced()),
     "study-512-balanced-after": ("study-512-balanced with the supervised updates after the policy-gradient ones",
-                                 _study(512, VARIANT_TASKS | {"min_replay": 384, "family_floor": 128}, "family",
-                                        **STUDY_APART, supervised_order="after")),
+                                 _balanced(supervised_order="after")),
     "study-512-balanced-anchors": ("study-512-balanced with the policy's own successes of all-pass groups as "
                                    "supervised anchors in the policy-gradient updates",
-                                   _study(512, VARIANT_TASKS | {"min_replay": 384, "family_floor": 128}, "family",
-                                          **STUDY_APART, loss={"anchor_solved": True})),
+                                   _balanced(loss={"anchor_solved": True})),
     "study-512-balanced-anchors-after": ("study-512-balanced-anchors with the supervised updates after the "
                                          "policy-gradient ones",
-                                         _study(512, VARIANT_TASKS | {"min_replay": 384, "family_floor": 128},
-                                                "family", **STUDY_APART, supervised_order="after",
-                                                loss={"anchor_solved": True})),
+                                         _balanced(supervised_order="after", loss={"anchor_solved": True})),
     "study-512-balanced-anchors-2-after": ("study-512-balanced-anchors-after with 2 anchors per all-pass group",
-                                           _study(512, VARIANT_TASKS | {"min_replay": 384, "family_floor": 128},
-                                                  "family", **STUDY_APART, supervised_order="after",
-                                                  loss={"anchor_solved": True, "anchors_per_group": 2})),
+                                           _balanced(supervised_order="after",
+                                                     loss={"anchor_solved": True, "anchors_per_group": 2})),
     "study-1024-apart": ("study-1024-batched with the rehearsed solutions trained by the supervised updates alone",
                          _study(1024, {"variants_per_failure": 24, "min_replay": 384}, supervised_updates=32,
                                 supervised_batch=32, rehearsal_updates="supervised")),

@@ -237,6 +237,7 @@ def _family_floor(rows: dict[str, dict], replay_pool: dict[str, dict], bootstrap
         return []
     bootstrap = set(env.bootstrap_families)
     have = Counter(r["family"] for r in rows.values() if r["split"] == "train")
+    taken = rows.keys() | replay_pool.keys()  # no variant repeats a task of the set or the pool
     out: list[dict] = []
     for fam in sorted({r["family"] for r in (*rows.values(), *replay_pool.values())} | bootstrap):
         deficit = floor - have[fam]
@@ -247,7 +248,6 @@ def _family_floor(rows: dict[str, dict], replay_pool: dict[str, dict], bootstrap
         replayed = _sample(pool, min(deficit, len(pool)), salt)
         deficit -= len(replayed)
         seeds = [r for r in (*rows.values(), *replayed) if r["family"] == fam and r["split"] == "train"]
-        taken = rows.keys() | replay_pool.keys()
         widened = _variants(seeds, math.ceil(deficit / len(seeds)), env, taken) \
             if deficit > 0 and seeds and fam not in bootstrap else []
         out += replayed + widened[:deficit]
