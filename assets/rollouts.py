@@ -2,7 +2,6 @@
 rounds until the batch can teach (ops/rollout/dynamic.py)."""
 
 from collections import Counter
-from typing import Literal
 
 import dagster as dg
 from pydantic import Field
@@ -47,9 +46,9 @@ class RolloutsConfig(dg.Config):
                                  "its supervised term alone, against forgetting (0 = none).")
     rehearsal_pass_rate: float = Field(default=0.8, ge=0, le=1, description="Pass rate from which a drift family counts "
                                        "as solved for rehearsal; 0 = every family's tasks, unsolved ones included.")
-    rehearsal_mix: Literal["pool", "family"] = Field(default="pool", description="'pool': the rehearsed tasks are a "
-                                                     "uniform sample of the qualifying ones; 'family': an even split "
-                                                     "across their families.")
+    rehearsal_family_share: float = Field(default=0.0, ge=0, le=1, description="Share of the rehearsed tasks split "
+                                          "evenly across their families; the rest is a uniform sample of the "
+                                          "qualifying ones (0: all uniform, following the pool; 1: all even).")
     temperature: float = Field(default=1.0, description="Sampling temperature (> 0; the learner tempers its logits the same).")
     top_p: float = Field(default=1.0, description="Must stay 1: the learner does not renormalize a nucleus.")
     max_tokens: int = 64
@@ -79,7 +78,7 @@ def dynamic_config(config: RolloutsConfig) -> DynamicSamplingConfig:
         max_tasks=config.max_tasks, min_informative_groups=config.min_informative_groups,
         max_rounds=config.max_rounds, max_groups=config.max_groups, guide_after=config.guide_after,
         rehearsal_tasks=config.rehearsal_tasks, rehearsal_pass_rate=config.rehearsal_pass_rate,
-        rehearsal_mix=config.rehearsal_mix,
+        rehearsal_family_share=config.rehearsal_family_share,
         curriculum=CurriculumConfig(enabled=config.curriculum, min_weight=config.replay_weight))
 
 

@@ -88,11 +88,12 @@ def _aimed(updates: int, below: float, scope: str = "rows", rehearsal: int = 0, 
 VARIANT_TASKS = {"variants_per_failure": 8, "min_replay": 96}
 
 
-def _study(rows: int, tasks: dict, mix: str = "pool", **fields) -> dict:
+def _study(rows: int, tasks: dict, family_share: float = 0.0, **fields) -> dict:
     """A cycle config rehearsing the reference solutions of `rows` unchosen tasks of any family
-    (rehearsal_pass_rate 0, drawn as `mix` says), on the given task settings, with LearnerConfig
-    `fields` if any."""
-    rollouts = {"rehearsal_tasks": rows, "rehearsal_pass_rate": 0.0} | ({"rehearsal_mix": mix} if mix != "pool" else {})
+    (rehearsal_pass_rate 0, `family_share` of them split evenly across families), on the given
+    task settings, with LearnerConfig `fields` if any."""
+    rollouts = ({"rehearsal_tasks": rows, "rehearsal_pass_rate": 0.0}
+                | ({"rehearsal_family_share": family_share} if family_share else {}))
     return _cycle_config(rollouts, _overrides(**fields) if fields else None, tasks)
 
 
@@ -100,10 +101,10 @@ def _study(rows: int, tasks: dict, mix: str = "pool", **fields) -> dict:
 STUDY_APART = {"supervised_updates": 16, "supervised_batch": 32, "rehearsal_updates": "supervised"}
 
 
-def _balanced(**fields) -> dict:
-    """study-512-apart with the rehearsal split evenly across families and a floor of 128 train
-    tasks per family, with further LearnerConfig `fields`."""
-    return _study(512, VARIANT_TASKS | {"min_replay": 384, "family_floor": 128}, "family", **STUDY_APART, **fields)
+def _balanced(family_share: float = 1.0, **fields) -> dict:
+    """study-512-apart with `family_share` of the rehearsal split evenly across families and a
+    floor of 128 train tasks per family, with further LearnerConfig `fields`."""
+    return _study(512, VARIANT_TASKS | {"min_replay": 384, "family_floor": 128}, family_share, **STUDY_APART, **fields)
 
 
 CONFIGS: dict[str, tuple[str, dict]] = {
@@ -228,6 +229,14 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "study-512-balanced-anchors-2-after": ("study-512-balanced-anchors-after with 2 anchors per all-pass group",
                                            _balanced(supervised_order="after",
                                                      loss={"anchor_solved": True, "anchors_per_group": 2})),
+    "study-512-floor-anchors-2-after": ("study-512-balanced-anchors-2-after with the rehearsal drawn from the pool "
+                                        "(no even split across families)",
+                                        _balanced(0.0, supervised_order="after",
+                                                  loss={"anchor_solved": True, "anchors_per_group": 2})),
+    "study-512-half-anchors-2-after": ("study-512-balanced-anchors-2-after with half the rehearsal split evenly "
+                                       "across families and half drawn from the pool",
+                                       _balanced(0.5, supervised_order="after",
+                                                 loss={"anchor_solved": True, "anchors_per_group": 2})),
     "study-1024-apart": ("study-1024-batched with the rehearsed solutions trained by the supervised updates alone",
                          _study(1024, {"variants_per_failure": 24, "min_replay": 384}, supervised_updates=32,
                                 supervised_batch=32, rehearsal_updates="supervised")),

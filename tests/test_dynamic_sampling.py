@@ -203,21 +203,27 @@ def test_rehearsal_adds_verified_solutions_of_solved_families_no_group_sampled(t
 
 
 def test_family_rehearsal_splits_evenly_across_families_whatever_the_pool_holds():
-    """'family' mix: a family with few unchosen tasks gives all of them and the others share the
-    rest evenly, where a uniform draw follows the pool (mostly the family that failed last)."""
+    """Family share 1: a family with few unchosen tasks gives all of them and the others share the
+    rest evenly, where a uniform draw (share 0) follows the pool (mostly the family that failed
+    last); a share in between splits that part evenly and draws the rest from the pool."""
     from ops.rollout.dynamic import rehearsal_choice
 
     pool = (task_world.generate_tasks("mul_words", 90, seed=5) + task_world.generate_tasks("sub_words", 6, seed=5)
             + task_world.generate_tasks("add", 24, seed=5))
-    cfg = DynamicSamplingConfig(rehearsal_tasks=30, rehearsal_pass_rate=0.0, rehearsal_mix="family")
+    cfg = DynamicSamplingConfig(rehearsal_tasks=30, rehearsal_pass_rate=0.0, rehearsal_family_share=1.0)
     chosen = rehearsal_choice(pool, cfg, EMPTY_HISTORY, None, seed="rehearsal:4")
     by_family = {f: sum(t.family == f for t in chosen) for f in ("mul_words", "sub_words", "add")}
     assert by_family == {"sub_words": 6, "add": 12, "mul_words": 12}
     assert [t.task_id for t in chosen] == sorted(t.task_id for t in chosen) and len(set(chosen)) == 30
     assert rehearsal_choice(list(reversed(pool)), cfg, EMPTY_HISTORY, None, seed="rehearsal:4") == chosen
-    uniform = rehearsal_choice(pool, cfg.model_copy(update={"rehearsal_mix": "pool"}), EMPTY_HISTORY, None,
+    uniform = rehearsal_choice(pool, cfg.model_copy(update={"rehearsal_family_share": 0.0}), EMPTY_HISTORY, None,
                                seed="rehearsal:4")
     assert len(uniform) == 30 and sum(t.family == "sub_words" for t in uniform) < 6
+    half = rehearsal_choice(pool, cfg.model_copy(update={"rehearsal_family_share": 0.5}), EMPTY_HISTORY, None,
+                            seed="rehearsal:4")
+    half_by_family = {f: sum(t.family == f for t in half) for f in ("mul_words", "sub_words", "add")}
+    assert len(set(half)) == 30 and half_by_family["sub_words"] >= 5  # 15 split evenly: 5 each, then the pool's
+    assert half_by_family["mul_words"] > by_family["mul_words"]  # the pool's half follows mul_words
     # asking for more than there is gives every qualifying task, either way
     everything = cfg.model_copy(update={"rehearsal_tasks": 500})
     assert len(rehearsal_choice(pool, everything, EMPTY_HISTORY, None, seed="s")) == len(pool)

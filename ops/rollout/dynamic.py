@@ -27,9 +27,10 @@ it carries signal:
               family qualify, the unsolved ones included: a family is then also studied from
               the verified solutions of many distinct questions, which a tiny policy cannot
               memorize the way it memorizes the answers of a few guided ones. With
-              `rehearsal_mix` "family" the rehearsed tasks are split evenly across the qualifying
-              families instead of following the pool, which is mostly the family that failed
-              last: a family learned cycles ago keeps its share of the rehearsal.
+              `rehearsal_family_share` s, that share of the rehearsed tasks is split evenly across
+              the qualifying families and the rest is drawn from the pool, which is mostly the
+              family that failed last: at 1 a family learned cycles ago keeps its share of the
+              rehearsal, at 0 the family being learned gets most of it.
 
 It never fails for want of signal: when the pool runs dry or the rounds are spent, the batch is
 what was sampled, and `DynamicBatch.exhausted` says why it stopped. Every sampled episode is kept
@@ -46,7 +47,7 @@ import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Annotated, Callable, Literal
+from typing import Annotated, Callable
 
 from pydantic import BaseModel, Field
 
@@ -85,11 +86,11 @@ class DynamicSamplingConfig(BaseModel):
                      "the history on (bootstrap families always do); 0 = every family's tasks are rehearsed, unsolved "
                      "ones included")
     ] = 0.8
-    rehearsal_mix: Annotated[
-        Literal["pool", "family"],
-        Field(description="How the rehearsed tasks are drawn: 'pool' a uniform sample of the qualifying tasks, "
-              "'family' an even split across their families (a family with fewer tasks gives all it has)")
-    ] = "pool"
+    rehearsal_family_share: Annotated[
+        float, Field(ge=0, le=1, description="This share of the rehearsed tasks is split evenly across their "
+                     "families (a family with fewer tasks gives all it has), the rest is a uniform sample of the "
+                     "qualifying tasks left; 0 = all uniform (the pool's mix), 1 = all even")
+    ] = 0.0
     curriculum: Annotated[CurriculumConfig, Field(description="Task weights by estimated pass rate")] = CurriculumConfig()
 
 
@@ -216,26 +217,26 @@ def rehearsal_choice(candidates: list[Task], cfg: DynamicSamplingConfig, history
                      env: Environment | None, seed: str) -> list[Task]:
     """Up to `cfg.rehearsal_tasks` of `candidates` whose family is solved (a bootstrap family, or
     one the history passes at `rehearsal_pass_rate` or more; any family at 0), a seeded sample in
-    task-id order (uniform, or split evenly by family with `rehearsal_mix` "family"): the same
-    for the same inputs."""
+    task-id order: `rehearsal_family_share` of them split evenly by family, the rest uniform over
+    the qualifying tasks left. The same for the same inputs."""
     env = env or get_environment()
     bootstrap = set(env.bootstrap_families)
     solved = [t for t in sorted(candidates, key=lambda t: t.task_id)
               if cfg.rehearsal_pass_rate == 0 or t.family in bootstrap
               or (t.family in history.families and history.family_rate(t.family) >= cfg.rehearsal_pass_rate)]
     rng = random.Random(seed)
-    if cfg.rehearsal_mix == "pool":
-        chosen = rng.sample(solved, min(cfg.rehearsal_tasks, len(solved)))
-    else:
-        by_family: dict[str, list[Task]] = defaultdict(list)
-        for t in solved:
-            by_family[t.family].append(t)
-        chosen, left = [], cfg.rehearsal_tasks
-        families = sorted(by_family, key=lambda f: (len(by_family[f]), f))  # the smallest give all they have first
-        for i, fam in enumerate(families):
-            take = rng.sample(by_family[fam], min(len(by_family[fam]), left // (len(families) - i)))
-            chosen += take
-            left -= len(take)
+    by_family: dict[str, list[Task]] = defaultdict(list)
+    for t in solved:
+        by_family[t.family].append(t)
+    chosen, left = [], round(cfg.rehearsal_tasks * cfg.rehearsal_family_share)
+    families = sorted(by_family, key=lambda f: (len(by_family[f]), f))  # the smallest give all they have first
+    for i, fam in enumerate(families):
+        take = rng.sample(by_family[fam], min(len(by_family[fam]), left // (len(families) - i)))
+        chosen += take
+        left -= len(take)
+    taken = {t.task_id for t in chosen}
+    rest = [t for t in solved if t.task_id not in taken]
+    chosen += rng.sample(rest, min(cfg.rehearsal_tasks - len(chosen), len(rest)))
     return sorted(chosen, key=lambda t: t.task_id)
 
 
