@@ -101,10 +101,12 @@ def _study(rows: int, tasks: dict, family_share: float = 0.0, **fields) -> dict:
 STUDY_APART = {"supervised_updates": 16, "supervised_batch": 32, "rehearsal_updates": "supervised"}
 
 
-def _balanced(family_share: float = 1.0, **fields) -> dict:
+def _balanced(family_share: float = 1.0, rows: int = 512, **fields) -> dict:
     """study-512-apart with `family_share` of the rehearsal split evenly across families and a
-    floor of 128 train tasks per family, with further LearnerConfig `fields`."""
-    return _study(512, VARIANT_TASKS | {"min_replay": 384, "family_floor": 128}, family_share, **STUDY_APART, **fields)
+    floor of 128 train tasks per family (`rows` rehearsed tasks), with further LearnerConfig
+    `fields`."""
+    return _study(rows, VARIANT_TASKS | {"min_replay": 384, "family_floor": 128}, family_share,
+                  **(STUDY_APART | fields))
 
 
 CONFIGS: dict[str, tuple[str, dict]] = {
@@ -233,10 +235,17 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                         "(no even split across families)",
                                         _balanced(0.0, supervised_order="after",
                                                   loss={"anchor_solved": True, "anchors_per_group": 2})),
+    "study-512-floor-anchors-2": ("study-512-floor-anchors-2-after with the supervised updates before the "
+                                  "policy-gradient ones",
+                                  _balanced(0.0, loss={"anchor_solved": True, "anchors_per_group": 2})),
     "study-512-half-anchors-2-after": ("study-512-balanced-anchors-2-after with half the rehearsal split evenly "
                                        "across families and half drawn from the pool",
                                        _balanced(0.5, supervised_order="after",
                                                  loss={"anchor_solved": True, "anchors_per_group": 2})),
+    "study-1024-balanced-anchors-2-after": ("study-512-balanced-anchors-2-after with 1024 rehearsed tasks and 32 "
+                                            "supervised updates of 32",
+                                            _balanced(1.0, 1024, supervised_updates=32, supervised_order="after",
+                                                      loss={"anchor_solved": True, "anchors_per_group": 2})),
     "study-1024-apart": ("study-1024-batched with the rehearsed solutions trained by the supervised updates alone",
                          _study(1024, {"variants_per_failure": 24, "min_replay": 384}, supervised_updates=32,
                                 supervised_batch=32, rehearsal_updates="supervised")),
