@@ -246,6 +246,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                             "supervised updates of 32",
                                             _balanced(1.0, 1024, supervised_updates=32, supervised_order="after",
                                                       loss={"anchor_solved": True, "anchors_per_group": 2})),
+    "study-1024-balanced-anchors-2-after-48": ("study-1024-balanced-anchors-2-after with 48 supervised updates "
+                                               "(one and a half passes over 1024 rehearsed solutions)",
+                                               _balanced(1.0, 1024, supervised_updates=48, supervised_order="after",
+                                                         loss={"anchor_solved": True, "anchors_per_group": 2})),
     "study-1024-apart": ("study-1024-batched with the rehearsed solutions trained by the supervised updates alone",
                          _study(1024, {"variants_per_failure": 24, "min_replay": 384}, supervised_updates=32,
                                 supervised_batch=32, rehearsal_updates="supervised")),
