@@ -159,10 +159,36 @@ def read_table(path: Path, schema: pa.Schema) -> pa.Table:
 
 
 def table_hash(table: pa.Table) -> str:
-    """A content hash of a table, used as its Dagster data version."""
+    """A content hash of a table, used as its Dagster data version: the same for equal tables
+    however their buffers were built (a table and the same table read back from Parquet)."""
     import hashlib
 
+    table = _null_slots_canonical(table)
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     return hashlib.sha256(sink.getvalue().to_pybytes()).hexdigest()[:16]
+
+
+def _null_slots_canonical(table: pa.Table) -> pa.Table:
+    """The IPC stream carries a fixed-width column's data buffer whole, the bytes under its null
+    slots included, and those are whatever the builder left there (a column computed in memory
+    and the same column read back from Parquet differ in them). A fixed-width column with nulls
+    is hashed as its validity and its values with the nulls filled by the column's smallest
+    value instead; tables without such nulls hash as they are."""
+    import pyarrow.compute as pc
+
+    names, columns = [], []
+    for name, column in zip(table.column_names, table.columns):
+        fixed = pa.types.is_integer(column.type) or pa.types.is_floating(column.type) or pa.types.is_boolean(
+            column.type) or pa.types.is_temporal(column.type)
+        if fixed and column.null_count:
+            names.append(f"{name}#valid")
+            columns.append(pc.is_valid(column))
+            if column.null_count < len(column):
+                column = pc.fill_null(column, pc.min_max(column)["min"])
+            else:
+                continue
+        names.append(name)
+        columns.append(column)
+    return pa.table(columns, names=names) if len(names) != table.num_columns else table
