@@ -12,7 +12,7 @@ import pytest
 from ops.common.tables import REWARDS, ROLLOUTS, write_table
 from ops.reward.sandbox import Sandbox
 from ops.reward.scoring import rewards_path, rollouts_path, screen_rewards, stored_cycles, stored_iterations
-from ops.rollout.curriculum import EMPTY_HISTORY, CurriculumConfig, choose_tasks, read_history
+from ops.rollout.curriculum import EMPTY_HISTORY, CurriculumConfig, History, TaskRecord, choose_tasks, read_history
 from ops.rollout.dynamic import DynamicSamplingConfig, sample_informative
 from ops.rollout.groups import SamplingConfig, generate_groups, reference_rows
 from ops.tasks import task_world
@@ -164,7 +164,6 @@ def test_rehearsal_adds_verified_solutions_of_solved_families_no_group_sampled(t
     """Rehearsal rows: reference solutions of unchosen tasks of bootstrap families and of families
     the history passes at the threshold, one group each, verified, seeded; none of an unsolved
     drift family or of a task a round sampled; no group's place taken, nothing counted informative."""
-    from ops.rollout.curriculum import History, TaskRecord
 
     add_words = task_world.generate_tasks("add_words", 6, seed=3)
     sub_words = task_world.generate_tasks("sub_words", 6, seed=3)
@@ -227,3 +226,28 @@ def test_family_rehearsal_splits_evenly_across_families_whatever_the_pool_holds(
     # asking for more than there is gives every qualifying task, either way
     everything = cfg.model_copy(update={"rehearsal_tasks": 500})
     assert len(rehearsal_choice(pool, everything, EMPTY_HISTORY, None, seed="s")) == len(pool)
+
+
+def test_eval_prior_gives_a_family_the_rate_the_sampling_policy_scored(tmp_path):
+    """The rollout history says mul_words fails (an older policy's samples); the cycle report of
+    cycle 2 scored v2, the policy that now samples, at 19/20 on it: with the eval prior its
+    unseen tasks are solved ones and drop to the replay floor. Another version, or a policy no
+    report scored, keeps the history's rate."""
+    from ops.evaluate.report import cycle_report_path, write_report
+    from ops.rollout.curriculum import with_evaluated_families
+
+    history = History({}, {"mul_words": TaskRecord(40, 2), "sub_words": TaskRecord(40, 38)}, (1, 2))
+    scored = {"deciding": {"per_family": {"mul_words": {"n": 20, "successes": 19}, "add": {"n": 2, "successes": 2}}},
+              "guard": {"per_family": {"add": {"n": 30, "successes": 29}}}}
+    write_report(cycle_report_path(tmp_path, 2), {"kind": "cycle", "cycle": 2, "candidate_version": 2,
+                                                  "champion_version": 1, "candidate": scored, "champion": {}})
+    fresh = with_evaluated_families(history, tmp_path, version=2, before_cycle=3)
+    assert fresh.families["mul_words"] == TaskRecord(20, 19) and fresh.families["add"] == TaskRecord(32, 31)
+    assert fresh.families["sub_words"] == history.families["sub_words"]  # not scored there: the history's
+    task = task_world.generate_tasks("mul_words", 1, seed=3)[0]
+    cfg = CurriculumConfig(eval_prior=True)
+    (before,) = choose_tasks([task], 1, history, cfg, guide_after=1, group_size=8, seed="s")
+    (after,) = choose_tasks([task], 1, fresh, cfg, guide_after=1, group_size=8, seed="s")
+    assert before.pass_rate < 0.1 < 0.9 < after.pass_rate and after.weight < before.weight
+    assert with_evaluated_families(history, tmp_path, version=3, before_cycle=3) == history  # v3: never scored
+    assert with_evaluated_families(history, tmp_path, version=2, before_cycle=2) == history  # only earlier reports

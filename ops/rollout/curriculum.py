@@ -7,7 +7,11 @@ project already knows of each task, read from the stored rollouts and rewards of
 
 - a pass-rate estimate per task, `(passes + k * prior) / (attempts + k)`, whose prior is the
   pass rate of the task's family over the same history (so a family the policy has solved is
-  replayed at low weight even through tasks it never saw), and 0.5 with no history at all;
+  replayed at low weight even through tasks it never saw), and 0.5 with no history at all. The
+  rollout history mixes the policies of several cycles; with `eval_prior` a family's rate is
+  instead that of the very policy that samples, where an eval report has scored it (its
+  deciding- and guard-set outcomes per family, newest report first): a family the last deployed
+  candidate learned is then known to be solved in the next cycle, not still failing;
 - the weight of a task is the probability that its group of G samples teaches something, i.e.
   that its rewards differ: `1 - p^G - (1 - p)^G`. Where guidance is on (ops/rollout/dynamic.py
   writes the reference solution into a group whose samples all fail), an all-fail group teaches
@@ -23,9 +27,10 @@ retried cycle attempts the same tasks. Every choice is recorded with its estimat
 
 from __future__ import annotations
 
+import json
 import random
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated
 
@@ -48,6 +53,10 @@ class CurriculumConfig(BaseModel):
     guided_value: Annotated[
         float, Field(ge=0, le=1, description="What a guided all-fail group is worth next to an uncertain one")
     ] = 0.5
+    eval_prior: Annotated[
+        bool, Field(description="A family's rate is the sampling policy's own per-family pass rate on the eval sets "
+                    "of the newest cycle report that scored it, where there is one; otherwise the rollout history's")
+    ] = False
 
 
 @dataclass
@@ -114,6 +123,34 @@ def read_history(data_dir: Path, before_cycle: int, cycles: int, current_iterati
             families[family].attempts += len(values)
             families[family].passes += sum(v > 0 for v in values)
     return History(dict(tasks), dict(families), tuple(window))
+
+
+def with_evaluated_families(history: History, data_dir: Path, version: int, before_cycle: int) -> History:
+    """`history` with the family rates of policy `version` as the newest cycle report before
+    `before_cycle` that scored it (as candidate or champion) measured them: passes and tasks per
+    family over its deciding and guard sets (one sample per task). Families that report did not
+    score, and a policy no report scored (the base policy in cycle 1, a later on-policy
+    iteration's weights), keep the rollout history's rates."""
+    from ops.evaluate.report import CYCLE, cycle_report_path
+
+    for cycle in range(before_cycle - 1, 0, -1):
+        path = cycle_report_path(data_dir, cycle)
+        if not path.exists():
+            continue
+        report = json.loads(path.read_text())
+        who = next((w for w in ("candidate", "champion") if report.get("kind") == CYCLE
+                    and report.get(f"{w}_version") == version), None)
+        if who is None:
+            continue
+        families = dict(history.families)
+        evaluated: dict[str, TaskRecord] = defaultdict(TaskRecord)
+        for name in ("deciding", "guard"):
+            for family, score in (report.get(who, {}).get(name) or {}).get("per_family", {}).items():
+                evaluated[family].attempts += int(score["n"])
+                evaluated[family].passes += int(score["successes"])
+        families.update(evaluated)
+        return replace(history, families=families)
+    return history
 
 
 @dataclass(frozen=True)
