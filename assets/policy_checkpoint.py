@@ -64,6 +64,18 @@ class PolicyCheckpointConfig(dg.Config):
     lr: float = Field(default=5e-4, description="AdamW learning rate (5e-4 x 4 updates; 1e-3 x 4 regresses the "
                       "bootstrap families on the guard set, measured with `perpetua bench learning`).")
     precision: str = Field(default="fp32", description="fp32, or bf16 on CUDA.")
+    supervised_updates: int = Field(default=32, ge=0, description="Optimizer updates on the step's verified written "
+                                    "solutions (reference, rehearsal and anchor rows) by their NLL alone: a pass over "
+                                    "the rehearsed solutions of many distinct tasks of every family (0 = none).")
+    supervised_batch: int | None = Field(default=32, gt=0, description="Rows per supervised update (None = every "
+                                         "update trains all of them).")
+    rehearsal_updates: str = Field(default="supervised", description="Which updates train the rehearsal rows: "
+                                   "'supervised' (the supervised updates alone) or 'all' (every update).")
+    supervised_order: str = Field(default="after", description="'after': the policy-gradient updates start on the "
+                                  "weights that sampled and the supervised pass comes last; 'before'.")
+    anchor_solved: bool = Field(default=True, description="Keep samples of all-pass groups as supervised anchors in "
+                                "the policy-gradient updates (the loss's anchor_solved).")
+    anchors_per_group: int | None = Field(default=2, description="Anchors kept per all-pass group (None = all).")
     learner_overrides_json: str = Field(default="{}", description="Further ops.learn.config.LearnerConfig fields, "
                                         "as JSON (e.g. the loss or advantage settings).")
     mlflow_tracking_uri: str | None = Field(default=None, description="MLflow tracking URI (default: env "
@@ -81,10 +93,16 @@ def _learner_config(config: PolicyCheckpointConfig, base_hf: Path):
 
     try:
         overrides = json.loads(config.learner_overrides_json or "{}")
+        if not isinstance(overrides, dict) or not isinstance(overrides.get("loss", {}), dict):
+            raise ValueError("learner_overrides_json must be a JSON object (its `loss`, if any, an object too)")
+        loss = {"anchor_solved": config.anchor_solved, "anchors_per_group": config.anchors_per_group,
+                **overrides.get("loss", {})}  # an override of one loss field keeps the others
         fields = {"micro_batch_size": config.micro_batch_size, "updates_per_step": config.updates_per_step,
-                  "lr": config.lr, "expert_parallel": config.expert_parallel, "precision": config.precision} | overrides
-        loss = fields.get("loss") or {}
-        if isinstance(loss, dict) and loss.get("kl_coef", 0) > 0:
+                  "lr": config.lr, "expert_parallel": config.expert_parallel, "precision": config.precision,
+                  "supervised_updates": config.supervised_updates, "supervised_batch": config.supervised_batch,
+                  "rehearsal_updates": config.rehearsal_updates, "supervised_order": config.supervised_order,
+                  } | overrides | {"loss": loss}
+        if loss.get("kl_coef", 0) > 0:
             fields.setdefault("reference_hf_dir", str(base_hf))
         return LearnerConfig(**fields)
     except (ValueError, ValidationError) as e:

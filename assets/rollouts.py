@@ -19,7 +19,7 @@ from ops.policy.tokenizer import load_hf_tokenizer
 from ops.reward.isolation import SandboxUnavailable
 from ops.reward.sandbox import Sandbox
 from ops.reward.scoring import load_ground_truth, rollouts_path, screen_rewards
-from ops.rollout.curriculum import CurriculumConfig, read_history
+from ops.rollout.curriculum import CurriculumConfig, read_history, with_evaluated_families
 from ops.rollout.dynamic import DynamicSamplingConfig, sample_informative
 from ops.rollout.groups import SamplingConfig, rollouts_table
 from ops.tasks.sampling import NoTrainingTasks, train_tasks
@@ -41,12 +41,16 @@ class RolloutsConfig(dg.Config):
     curriculum: bool = Field(default=True, description="Weight tasks by estimated pass rate (False = uniform).")
     replay_weight: float = Field(default=0.05, gt=0, le=1, description="Curriculum weight floor: how often a solved "
                                  "task is replayed next to an uncertain one (weight up to 1).")
-    rehearsal_tasks: int = Field(default=0, ge=0, description="Reference solutions of this many unchosen tasks of solved "
-                                 "families (bootstrap, or passed at 0.8 or more) added as rows the learner trains by "
-                                 "its supervised term alone, against forgetting (0 = none).")
-    rehearsal_pass_rate: float = Field(default=0.8, ge=0, le=1, description="Pass rate from which a drift family counts "
+    eval_prior: bool = Field(default=False, description="Curriculum: a family's pass rate is the sampling policy's "
+                             "own on the eval sets of the newest cycle report that scored it (else the rollout "
+                             "history's), so a family the deployed candidate learned is known to be solved.")
+    rehearsal_tasks: int = Field(default=1024, ge=0, description="Reference solutions of this many unchosen tasks "
+                                 "(of every family at rehearsal_pass_rate 0, else of solved ones) added as rows the "
+                                 "learner trains by its supervised updates: the study of many distinct questions, and "
+                                 "against forgetting (0 = none).")
+    rehearsal_pass_rate: float = Field(default=0.0, ge=0, le=1, description="Pass rate from which a drift family counts "
                                        "as solved for rehearsal; 0 = every family's tasks, unsolved ones included.")
-    rehearsal_family_share: float = Field(default=0.0, ge=0, le=1, description="Share of the rehearsed tasks split "
+    rehearsal_family_share: float = Field(default=1.0, ge=0, le=1, description="Share of the rehearsed tasks split "
                                           "evenly across their families; the rest is a uniform sample of the "
                                           "qualifying ones (0: all uniform, following the pool; 1: all even).")
     temperature: float = Field(default=1.0, description="Sampling temperature (> 0; the learner tempers its logits the same).")
@@ -79,7 +83,8 @@ def dynamic_config(config: RolloutsConfig) -> DynamicSamplingConfig:
         max_rounds=config.max_rounds, max_groups=config.max_groups, guide_after=config.guide_after,
         rehearsal_tasks=config.rehearsal_tasks, rehearsal_pass_rate=config.rehearsal_pass_rate,
         rehearsal_family_share=config.rehearsal_family_share,
-        curriculum=CurriculumConfig(enabled=config.curriculum, min_weight=config.replay_weight))
+        curriculum=CurriculumConfig(enabled=config.curriculum, min_weight=config.replay_weight,
+                                    eval_prior=config.eval_prior))
 
 
 def sample_iteration(context, config: RolloutsConfig, trainer_server: PolicyServer, mlflow: MlflowTracking,
@@ -102,6 +107,8 @@ def sample_iteration(context, config: RolloutsConfig, trainer_server: PolicyServ
     sampling = SamplingConfig(group_size=config.group_size, temperature=config.temperature, top_p=config.top_p,
                               max_tokens=max_tokens, seed=config.seed + ITERATION_SEED_STRIDE * (iteration - 1))
     history = read_history(data, cycle, dynamic.curriculum.history_cycles, current_iterations=iteration - 1)
+    if dynamic.curriculum.eval_prior:
+        history = with_evaluated_families(history, data, version, cycle)
     truth = load_ground_truth(data)
     try:
         sandbox = Sandbox()

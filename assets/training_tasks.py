@@ -21,11 +21,13 @@ from ops.tasks.training_tasks import TRAINING_TASKS_CODE_VERSION, TrainingTaskCo
 
 class TrainingTasksConfig(dg.Config):
     replay_ratio: float = Field(default=1.0, description="Replay tasks per new failure task.")
-    min_replay: int = Field(default=16, description="At least this many replay tasks.")
+    min_replay: int = Field(default=384, description="At least this many replay tasks (a wide pool of bootstrap and "
+                            "earlier questions to rehearse from).")
     bootstrap_share: float = Field(default=0.5, description="Share of replay from bootstrap families.")
-    variants_per_failure: int = Field(default=0, ge=0, description="Generated train tasks of a new failure's family "
-                                      "per new train failure (0 = none).")
-    family_floor: int = Field(default=0, ge=0, description="Train tasks every family keeps in the set at least: a "
+    variants_per_failure: int = Field(default=8, ge=0, description="Generated train tasks of a new failure's family "
+                                      "per new train failure: a family is learned from many distinct questions, not "
+                                      "the few harvested ones the policy would memorize (0 = none).")
+    family_floor: int = Field(default=128, ge=0, description="Train tasks every family keeps in the set at least: a "
                               "drift family met so far its earlier tasks, then generated variants of them; a bootstrap "
                               "family more bootstrap replay tasks (0 = no floor).")
 

@@ -4,9 +4,11 @@ Each configuration is one `perpetua demo` (a subprocess, in its own PERPETUA_HOM
 PERPETUA_HOME/bench/learning/NAME, so nothing is shared but the base policy), with the same
 number of cycles, the same base policy (bootstrapped once, copied), the same seeds and so the same
 production traffic requests. A configuration is a run config over the defaults of the cycle job
-(`CONFIGS`): today's defaults ("defaults"), the loop without any of the learning changes
-("plain": one round of uniformly chosen tasks, no guidance, 2 updates per step), each change
-alone on top of "plain", and variants of how reference rows are trained. Reported per configuration, from what the demo recorded:
+(`CONFIGS`): today's defaults ("defaults"), the defaults before the study settings
+("earlier-defaults"; every other configuration is defined on top of them), the loop without any
+of the learning changes ("plain": one round of uniformly chosen tasks, no guidance, 2 updates per
+step), each change alone on top of "plain", and variants of how reference rows are trained and
+how a family is studied. Reported per configuration, from what the demo recorded:
 
 - the production failure rate per family on the fresh traffic after the last cycle (the same
   requests for every configuration), and overall;
@@ -16,7 +18,7 @@ alone on top of "plain", and variants of how reference rows are trained. Reporte
 - informative samples per cycle, CPU core-seconds of the cycles and intelligence per dollar.
 
 `ratio` = plain's overall final failure rate / the defaults' (> 1: the defaults fail less on
-the same fresh traffic). Long: about five minutes per configuration on the embedded default;
+the same fresh traffic). Long: five to ten minutes per configuration on the embedded default;
 `--only` picks configurations, `--cycles` sets the cycles.
 """
 
@@ -40,15 +42,20 @@ PLAIN_ROLLOUTS = {"curriculum": False, "min_informative_groups": 0, "max_rounds"
 PLAIN_LEARNER = {"updates_per_step": 2}
 
 
+# The settings of the three stages as they were before the study defaults (many distinct questions
+# rehearsed by a supervised pass, with anchors): every configuration but "defaults" is defined
+# against them, so a row means what it meant when it was measured ("earlier-defaults" is them alone).
+EARLIER_TASKS = {"variants_per_failure": 0, "min_replay": 16, "family_floor": 0}
+EARLIER_ROLLOUTS = {"rehearsal_tasks": 0, "rehearsal_pass_rate": 0.8, "rehearsal_family_share": 0.0}
+EARLIER_LEARNER = {"supervised_updates": 0, "supervised_batch": None, "rehearsal_updates": "all",
+                   "supervised_order": "before", "anchor_solved": False, "anchors_per_group": None}
+
+
 def _cycle_config(rollouts: dict | None = None, learner: dict | None = None, tasks: dict | None = None) -> dict:
-    ops: dict = {}
-    if tasks:
-        ops["training_tasks"] = {"config": tasks}
-    if rollouts:
-        ops["rollouts"] = {"config": rollouts}
-    if learner:
-        ops["policy_checkpoint"] = {"config": learner}
-    return {"perpetua_cycle": {"ops": ops}} if ops else {}
+    """A cycle run config: the earlier defaults with the given settings of each stage on top."""
+    return {"perpetua_cycle": {"ops": {"training_tasks": {"config": EARLIER_TASKS | (tasks or {})},
+                                       "rollouts": {"config": EARLIER_ROLLOUTS | (rollouts or {})},
+                                       "policy_checkpoint": {"config": EARLIER_LEARNER | (learner or {})}}}}
 
 
 def _overrides(**fields) -> dict:
@@ -111,6 +118,8 @@ def _balanced(family_share: float = 1.0, rows: int = 512, **fields) -> dict:
 
 CONFIGS: dict[str, tuple[str, dict]] = {
     "defaults": ("every change, as shipped", {}),
+    "earlier-defaults": ("the defaults before the study settings (no variants, rehearsal or supervised updates)",
+                         _cycle_config()),
     "plain": ("one round of uniformly chosen tasks, no guidance, 2 updates per step (the loop before these changes)",
               _cycle_config(PLAIN_ROLLOUTS, PLAIN_LEARNER)),
     "+refill": ("plain + dynamic-sampling refill rounds",
@@ -124,17 +133,17 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "+entropy": ("plain + adaptive entropy bonus toward 0.3 nats/token",
                  _cycle_config(PLAIN_ROLLOUTS, PLAIN_LEARNER | _loss(entropy_target=0.3))),
     "+updates4": ("plain + 4 optimizer updates per step", _cycle_config(PLAIN_ROLLOUTS)),
-    "guidance-clip-only": ("defaults without the supervised term on reference rows",
+    "guidance-clip-only": ("earlier-defaults without the supervised term on reference rows",
                            _cycle_config(learner=_loss(sft_coef=0.0))),
-    "guidance-shaped": ("defaults with LUFFY-shaped reference rows instead of clipped ones",
+    "guidance-shaped": ("earlier-defaults with LUFFY-shaped reference rows instead of clipped ones",
                         _cycle_config(learner=_loss(off_policy="shaped"))),
-    "guidance-sft-only": ("defaults with reference rows trained by the supervised term only",
+    "guidance-sft-only": ("earlier-defaults with reference rows trained by the supervised term only",
                           _cycle_config(learner=_loss(off_policy="sft"))),
-    "anchor-replay": ("defaults + solved tasks replayed at weight 0.2, their all-pass groups trained as supervised anchors",
+    "anchor-replay": ("earlier-defaults + solved tasks replayed at weight 0.2, their all-pass groups trained as supervised anchors",
                       _cycle_config({"replay_weight": 0.2}, _loss(anchor_solved=True))),
-    "iterations-2": ("defaults with 2 on-policy iterations per cycle (rollouts by the newest weights, verification, "
+    "iterations-2": ("earlier-defaults with 2 on-policy iterations per cycle (rollouts by the newest weights, verification, "
                      "a step, twice before eval)", _cycle_config(learner={"iterations": 2})),
-    "iterations-3": ("defaults with 3 on-policy iterations per cycle", _cycle_config(learner={"iterations": 3})),
+    "iterations-3": ("earlier-defaults with 3 on-policy iterations per cycle", _cycle_config(learner={"iterations": 3})),
     "iterations-2-anchors": ("2 on-policy iterations, solved tasks replayed at weight 0.2 and their all-pass groups "
                              "trained as supervised anchors", _cycle_config({"replay_weight": 0.2},
                                                                             {"iterations": 2} | _loss(anchor_solved=True))),
@@ -142,18 +151,18 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                              _cycle_config(learner={"iterations": 2, "lr": 2.5e-4})),
     "iterations-2-kl": ("2 on-policy iterations with a KL penalty (0.05) toward the base policy",
                         _cycle_config(learner={"iterations": 2} | _loss(kl_coef=0.05))),
-    "rehearsal": ("defaults + reference solutions of 16 solved-family tasks per step, trained by the supervised term "
+    "rehearsal": ("earlier-defaults + reference solutions of 16 solved-family tasks per step, trained by the supervised term "
                   "alone (PPO-ptx-style rehearsal)", _cycle_config({"rehearsal_tasks": 16})),
     "iterations-2-rehearsal": ("2 on-policy iterations with rehearsal of 16 solved-family tasks per step",
                                _cycle_config({"rehearsal_tasks": 16}, {"iterations": 2})),
-    "variants-2": ("defaults + 2 generated train tasks of a new failure's family per new failure",
+    "variants-2": ("earlier-defaults + 2 generated train tasks of a new failure's family per new failure",
                    _cycle_config(tasks={"variants_per_failure": 2})),
     "variants-2-rehearsal": ("variants-2 + rehearsal of 16 solved-family tasks per step",
                              _cycle_config({"rehearsal_tasks": 16}, tasks={"variants_per_failure": 2})),
     "variants-2-rehearsal-iterations-2": ("variants-2 + rehearsal + 2 on-policy iterations per cycle",
                                           _cycle_config({"rehearsal_tasks": 16}, {"iterations": 2},
                                                         {"variants_per_failure": 2})),
-    "supervised-16": ("defaults + rehearsal of 16 solved-family tasks + 16 supervised updates on the step's verified "
+    "supervised-16": ("earlier-defaults + rehearsal of 16 solved-family tasks + 16 supervised updates on the step's verified "
                       "written solutions before the policy-gradient updates", _supervised(16, 16, tasks=None)),
     "supervised-16-variants": ("supervised-16 + 2 variants per new failure",
                                _supervised(16, 16, tasks={"variants_per_failure": 2})),
@@ -169,7 +178,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                              _supervised(8, anchor_solved=True)),
     "supervised-8-anchors-lr-half": ("supervised-8-anchors at half the learning rate (2.5e-4)",
                                      _supervised(8, learner={"lr": 2.5e-4}, anchor_solved=True)),
-    "supervised-reach-16": ("defaults + up to 16 supervised updates per step on the verified written solutions "
+    "supervised-reach-16": ("earlier-defaults + up to 16 supervised updates per step on the verified written solutions "
                             "with a token below log-prob -3 (out of the policy's reach), ending once none is",
                             _aimed(16, -3.0)),
     "supervised-reach-32": ("supervised-reach-16 with up to 32 supervised updates per step", _aimed(32, -3.0)),
@@ -192,7 +201,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "supervised-tokens-anchored-128-below-8-own": ("supervised-tokens-anchored-128-below-8 with the policy's own "
                                                    "successes of all-pass groups as anchors too",
                                                    _aimed(16, -8.0, "tokens_anchored", 128, anchor_solved=True)),
-    "variants-8": ("defaults with 8 generated train tasks per new failure",
+    "variants-8": ("earlier-defaults with 8 generated train tasks per new failure",
                    _cycle_config(tasks={"variants_per_failure": 8})),
     "variants-8-rehearsal-32": ("variants-8 with 96 replay tasks and reference solutions of 32 solved tasks rehearsed",
                                 _cycle_config({"rehearsal_tasks": 32}, tasks=VARIANT_TASKS)),
@@ -253,8 +262,13 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "study-1024-apart": ("study-1024-batched with the rehearsed solutions trained by the supervised updates alone",
                          _study(1024, {"variants_per_failure": 24, "min_replay": 384}, supervised_updates=32,
                                 supervised_batch=32, rehearsal_updates="supervised")),
-    "build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of the champion",
-                        {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
+    "defaults-eval-prior": ("defaults with the curriculum's family rates from the sampling policy's own eval "
+                            "(the newest cycle report that scored it) instead of the rollout history",
+                            {"perpetua_cycle": {"ops": {"rollouts": {"config": {"eval_prior": True}}}}}),
+    "build-on-latest": ("earlier-defaults, each cycle building on the newest policy (blocked or not) instead of the "
+                        "champion",
+                        {"perpetua_cycle": {**_cycle_config()["perpetua_cycle"], "resources": {
+                            "lineage": {"config": {"continue_from": "latest"}}}}}),
 }
 BASELINE, CANDIDATE = "plain", "defaults"
 

@@ -29,6 +29,27 @@ def test_every_configuration_is_a_valid_run_config(name):
     _learner_config(PolicyCheckpointConfig(**learner), Path("base") / "hf")
 
 
+def test_the_cycle_learner_defaults_and_how_overrides_meet_them():
+    """The cycle's learner defaults (the supervised pass after the policy-gradient updates,
+    anchors) come from PolicyCheckpointConfig; learner_overrides_json wins field by field, a
+    `loss` object there changes only the loss fields it names, and a malformed override is a
+    clear error, not a traceback. The earlier defaults every other configuration of the
+    ablation is built on switch the study settings off."""
+    base = Path("base") / "hf"
+    cfg = _learner_config(PolicyCheckpointConfig(), base)
+    assert (cfg.supervised_updates, cfg.supervised_batch, cfg.rehearsal_updates, cfg.supervised_order) == (
+        32, 32, "supervised", "after")
+    assert cfg.loss.anchor_solved and cfg.loss.anchors_per_group == 2 and cfg.loss.sft_coef == 1.0
+    cfg = _learner_config(PolicyCheckpointConfig(learner_overrides_json=json.dumps(
+        {"supervised_updates": 4, "loss": {"clip_high": 0.3}})), base)
+    assert cfg.supervised_updates == 4 and cfg.loss.clip_high == 0.3 and cfg.loss.anchors_per_group == 2
+    earlier = _learner_config(PolicyCheckpointConfig(**bench_learning.EARLIER_LEARNER), base)
+    assert earlier.supervised_updates == 0 and not earlier.loss.anchor_solved and earlier.supervised_order == "before"
+    for bad in ("[1]", '{"loss": 3}', "{not json", '{"supervised_order": "sideways"}', '{"loss": {"sft_coef": 0}}'):
+        with pytest.raises(dg.Failure, match="invalid learner configuration"):
+            _learner_config(PolicyCheckpointConfig(learner_overrides_json=bad), base)
+
+
 def test_row_and_table_from_a_demo_summary(tmp_path):
     reports = tmp_path / "data" / "eval_report"
     reports.mkdir(parents=True)

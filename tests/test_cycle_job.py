@@ -57,12 +57,13 @@ from ops.serving import vllm_server
 from ops.tasks.task_world import generate_tasks
 from pipelines.audit import audit_run
 from pipelines.instance import prepare_dagster_home
+from small_cycle import small
 
-RUN_CONFIG = {"ops": {
+RUN_CONFIG = {"ops": small({
     "rollouts": {"config": {"max_tasks": 8, "group_size": 4, "min_informative_groups": 4, "max_groups": 8}},
     "eval_report": {"config": {"drift_per_family": 0, "failure_family_tasks": 16, "production_tasks": 0,
                                "guard_per_family": 4, "guard_margin": 1.0}},
-}}
+})}
 
 # In the order one cycle reaches them.
 POINTS = [

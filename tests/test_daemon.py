@@ -38,9 +38,11 @@ from pipelines import daemon
 from pipelines.demo import cycle_row
 from pipelines.instance import prepare_dagster_home
 from pipelines.run_launcher import worker_health
+from small_cycle import small
 
-SMALL = {"ops": {"rollouts": {"config": {"max_tasks": 8, "group_size": 4, "min_informative_groups": 4, "max_groups": 8}},
-                 "eval_report": {"config": {"drift_per_family": 4, "guard_per_family": 4, "production_tasks": 4}}}}
+SMALL = {"ops": small({"rollouts": {"config": {"max_tasks": 8, "group_size": 4, "min_informative_groups": 4,
+                                               "max_groups": 8}},
+                       "eval_report": {"config": {"drift_per_family": 4, "guard_per_family": 4, "production_tasks": 4}}})}
 
 
 def _port() -> int:

@@ -17,20 +17,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
+from small_cycle import small
 
-SMALL = """
-bootstrap:
-  ops: {base_policy: {config: {max_steps: 300, target_success: 0.6}}}
-perpetua_cycle:
-  ops:
-    rollouts: {config: {max_tasks: 16, group_size: 4}}
-    eval_report: {config: {drift_per_family: 8, guard_per_family: 8, production_tasks: 8}}
-"""
+CYCLE_OPS = {"rollouts": {"config": {"max_tasks": 16, "group_size": 4}},
+             "eval_report": {"config": {"drift_per_family": 8, "guard_per_family": 8, "production_tasks": 8}}}
+BOOTSTRAP = {"ops": {"base_policy": {"config": {"max_steps": 300, "target_success": 0.6}}}}
+SMALL = yaml.safe_dump({"bootstrap": BOOTSTRAP, "perpetua_cycle": {"ops": small(CYCLE_OPS)}})
 
 # The second run: two on-policy iterations per cycle (rollouts by the newest weights, verified, a
 # step), each with the reference solutions of a few unchosen tasks rehearsed.
-ITERATING = SMALL.replace("group_size: 4}", "group_size: 4, rehearsal_tasks: 3}") + """    policy_checkpoint: {config: {iterations: 2}}
-"""
+ITERATING = yaml.safe_dump({"bootstrap": BOOTSTRAP, "perpetua_cycle": {"ops": small(
+    CYCLE_OPS | {"rollouts": {"config": {"max_tasks": 16, "group_size": 4, "rehearsal_tasks": 3}},
+                 "policy_checkpoint": {"config": {"iterations": 2}}})}})
 
 # docs/architecture.md, `demo --summary FILE` (fixed keys).
 CYCLE_KEYS = {"cycle", "failures_harvested", "rollouts", "mean_reward", "champion_score", "candidate_score", "gain_ci",

@@ -22,6 +22,7 @@ from ops.harvest.contract import write_traces
 from ops.policy import versions as policies
 from ops.serving import vllm_server
 from pipelines.definitions import defs
+from small_cycle import small
 from test_demo import _free_port as _port
 
 
@@ -65,8 +66,9 @@ def test_code_repair_rollouts_are_verified_by_the_swe_verifier(code_repair_home,
         job_assets = [defs.get_assets_def(k) for k in ("harvested_failures", "training_tasks", "rollouts", "verified_rewards",
                                                       "policy_checkpoint", "eval_report")]
         checks = list(defs.get_repository_def().asset_checks_defs_by_key.values())
-        run_config = {"ops": {"rollouts": {"config": {"max_tasks": 6, "group_size": 2, "min_informative_groups": 0}},
-                              "eval_report": {"config": {"drift_per_family": 3, "guard_per_family": 3, "production_tasks": 3}}}}
+        run_config = {"ops": small({
+            "rollouts": {"config": {"max_tasks": 6, "group_size": 2, "min_informative_groups": 0}},
+            "eval_report": {"config": {"drift_per_family": 3, "guard_per_family": 3, "production_tasks": 3}}})}
         with dg.instance_for_test() as instance:
             result = dg.materialize(job_assets + checks, resources=resources, instance=instance, run_config=run_config,
                                     tags={"perpetua/cycle": "1"}, raise_on_error=False)

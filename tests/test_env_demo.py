@@ -13,16 +13,15 @@ import sys
 
 import pyarrow.parquet as pq
 import pytest
+import yaml
+from small_cycle import small
 from test_demo import _free_port
 
-SMALL = """
-bootstrap:
-  ops: {base_policy: {config: {max_steps: 150, target_success: 0.6}}}
-perpetua_cycle:
-  ops:
-    rollouts: {config: {max_tasks: 8, group_size: 4, min_informative_groups: 4, max_groups: 12}}
-    eval_report: {config: {drift_per_family: 4, guard_per_family: 4, production_tasks: 4}}
-"""
+SMALL = yaml.safe_dump({
+    "bootstrap": {"ops": {"base_policy": {"config": {"max_steps": 150, "target_success": 0.6}}}},
+    "perpetua_cycle": {"ops": small({
+        "rollouts": {"config": {"max_tasks": 8, "group_size": 4, "min_informative_groups": 4, "max_groups": 12}},
+        "eval_report": {"config": {"drift_per_family": 4, "guard_per_family": 4, "production_tasks": 4}}})}})
 
 
 @pytest.mark.timeout(1200)

@@ -47,11 +47,13 @@ class LearnerConfig(BaseModel):
     ] = 1
     supervised_updates: Annotated[
         int,
-        Field(ge=0, description="Optimizer updates, before the policy-gradient ones, on the step's verified written "
+        Field(ge=0, description="Optimizer updates (before or after the policy-gradient ones: supervised_order) on the "
+              "step's verified written "
               "solutions (reference, rehearsal and anchor rows) by their token-mean NLL alone: rejection-sampling "
               "fine-tuning on what the policy cannot produce yet. Under Adam a logit moves about lr per update "
               "whatever the loss weight, so a token the policy never emits (log-prob near -20) needs many updates, "
-              "not a larger coefficient; the policy-gradient updates' logp_old is the weights after these. 0 = none"),
+              "not a larger coefficient; the policy-gradient updates' logp_old is the weights their first update starts "
+              "from (after these when they come first). 0 = none"),
     ] = 0
     supervised_batch: Annotated[
         int | None,
