@@ -265,6 +265,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "defaults-eval-prior": ("defaults with the curriculum's family rates from the sampling policy's own eval "
                             "(the newest cycle report that scored it) instead of the rollout history",
                             {"perpetua_cycle": {"ops": {"rollouts": {"config": {"eval_prior": True}}}}}),
+    "defaults-build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of "
+                                 "the champion",
+                                 {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
     "build-on-latest": ("earlier-defaults, each cycle building on the newest policy (blocked or not) instead of the "
                         "champion",
                         {"perpetua_cycle": {**_cycle_config()["perpetua_cycle"], "resources": {
