@@ -95,9 +95,11 @@ def test_code_repair_rollouts_are_verified_by_the_swe_verifier(code_repair_home,
     assert not any(r["infra_failure"] for r in rewards)
     reward = {(r["group_id"], r["sample_index"]): r for r in rewards}
     references = [r for r in rollouts if r["source"] == "reference"]
-    policy = [r for r in rollouts if r["source"] != "reference"]
+    rehearsed = [r for r in rollouts if r["source"] == "rehearsal"]
+    policy = [r for r in rollouts if r["source"] == "policy"]
     assert references, "every group failed, so every group is guided by its reference episode"
-    for row in references:  # the reference patch, run in the sandbox against the repository's tests
+    assert rehearsed and len(policy) + len(references) + len(rehearsed) == len(rollouts)
+    for row in references + rehearsed:  # the reference patch, run in the sandbox against the repository's tests
         verdict = reward[(row["group_id"], row["sample_index"])]
         details = json.loads(verdict["details"])
         assert verdict["reward"] == 1.0 and verdict["outcome"] == "pass", details
