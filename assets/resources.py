@@ -129,13 +129,16 @@ class MlflowTracking(dg.ConfigurableResource):
 class PolicyLineage(dg.ConfigurableResource):
     """Which policy a cycle builds on; the rollouts and the learner ask the same rule.
 
-    `champion` (default): the deployed champion (the base policy until the first deploy) samples
-    the cycle's rollouts and the learner continues from its checkpoint, so a candidate the gate
-    blocked is set aside, not built on: every candidate is one step from what production serves.
-    `latest`: the newest exported policy, blocked or not (training runs on and the gate only
-    decides deployment)."""
+    `latest` (default): the newest exported policy, blocked or not: training runs on and the gate
+    only decides deployment. Learning a new family can pass through a candidate the guard refuses
+    (it trades another family or a few guard tasks on the way), and the next cycle's step then
+    finishes what that one started instead of starting again (README, "The study settings as
+    defaults"). Production still serves only candidates that passed the gate.
+    `champion`: the deployed champion (the base policy until the first deploy) samples the
+    cycle's rollouts and the learner continues from its checkpoint, so a candidate the gate
+    blocked is set aside, not built on: every candidate is one step from what production serves."""
 
-    continue_from: Literal["champion", "latest"] = "champion"
+    continue_from: Literal["champion", "latest"] = "latest"
 
     def start_version(self, mlflow_uri: str) -> int:
         from ops.deploy import registry

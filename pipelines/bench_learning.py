@@ -49,13 +49,20 @@ EARLIER_TASKS = {"variants_per_failure": 0, "min_replay": 16, "family_floor": 0}
 EARLIER_ROLLOUTS = {"rehearsal_tasks": 0, "rehearsal_pass_rate": 0.8, "rehearsal_family_share": 0.0}
 EARLIER_LEARNER = {"supervised_updates": 0, "supervised_batch": None, "rehearsal_updates": "all",
                    "supervised_order": "before", "anchor_solved": False, "anchors_per_group": None}
+EARLIER_LINEAGE = "champion"  # each cycle built on the deployed champion
 
 
-def _cycle_config(rollouts: dict | None = None, learner: dict | None = None, tasks: dict | None = None) -> dict:
+def _lineage(continue_from: str) -> dict:
+    return {"lineage": {"config": {"continue_from": continue_from}}}
+
+
+def _cycle_config(rollouts: dict | None = None, learner: dict | None = None, tasks: dict | None = None,
+                  lineage: str = EARLIER_LINEAGE) -> dict:
     """A cycle run config: the earlier defaults with the given settings of each stage on top."""
     return {"perpetua_cycle": {"ops": {"training_tasks": {"config": EARLIER_TASKS | (tasks or {})},
                                        "rollouts": {"config": EARLIER_ROLLOUTS | (rollouts or {})},
-                                       "policy_checkpoint": {"config": EARLIER_LEARNER | (learner or {})}}}}
+                                       "policy_checkpoint": {"config": EARLIER_LEARNER | (learner or {})}},
+                               "resources": _lineage(lineage)}}
 
 
 def _overrides(**fields) -> dict:
@@ -262,16 +269,15 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "study-1024-apart": ("study-1024-batched with the rehearsed solutions trained by the supervised updates alone",
                          _study(1024, {"variants_per_failure": 24, "min_replay": 384}, supervised_updates=32,
                                 supervised_batch=32, rehearsal_updates="supervised")),
-    "defaults-eval-prior": ("defaults with the curriculum's family rates from the sampling policy's own eval "
-                            "(the newest cycle report that scored it) instead of the rollout history",
-                            {"perpetua_cycle": {"ops": {"rollouts": {"config": {"eval_prior": True}}}}}),
-    "defaults-build-on-latest": ("defaults, each cycle building on the newest policy (blocked or not) instead of "
-                                 "the champion",
-                                 {"perpetua_cycle": {"resources": {"lineage": {"config": {"continue_from": "latest"}}}}}),
+    "defaults-eval-prior": ("defaults built on the champion, with the curriculum's family rates from the sampling "
+                            "policy's own eval (the newest cycle report that scored it) instead of the rollout "
+                            "history", {"perpetua_cycle": {"ops": {"rollouts": {"config": {"eval_prior": True}}},
+                                                           "resources": _lineage("champion")}}),
+    "defaults-build-on-champion": ("defaults, each cycle building on the deployed champion instead of the newest "
+                                   "policy (a blocked candidate is set aside)",
+                                   {"perpetua_cycle": {"resources": _lineage("champion")}}),
     "build-on-latest": ("earlier-defaults, each cycle building on the newest policy (blocked or not) instead of the "
-                        "champion",
-                        {"perpetua_cycle": {**_cycle_config()["perpetua_cycle"], "resources": {
-                            "lineage": {"config": {"continue_from": "latest"}}}}}),
+                        "champion", _cycle_config(lineage="latest")),
 }
 BASELINE, CANDIDATE = "plain", "defaults"
 
