@@ -130,7 +130,7 @@ def test_policy_checkpoint_materializes_through_pipes(perpetua_home):
         assert sorted(m.step for m in client.get_metric_history(md2["mlflow_run_id"], "loss")) == [3, 4]
         assert (perpetua_home / "models" / "policy" / "v0002" / "hf" / "config.json").exists()
 
-        # Building on the champion (the default): nothing is deployed in this store, so the base
+        # Building on the champion: nothing is deployed in this store, so the base
         # policy, v0, with fresh optimizer state; the new version is still numbered after the newest.
         mat3, _ = materialize(1, continue_from="champion")
         md3 = {k: v.value for k, v in mat3.metadata.items()}
