@@ -115,6 +115,13 @@ def _study(rows: int, tasks: dict, family_share: float = 0.0, **fields) -> dict:
 STUDY_APART = {"supervised_updates": 16, "supervised_batch": 32, "rehearsal_updates": "supervised"}
 
 
+def _anchored_after(family_share: float = 1.0, rows: int = 512, **fields) -> dict:
+    """`_balanced` with the supervised updates after the policy-gradient ones and the first two
+    samples of each all-pass group kept as supervised anchors."""
+    return _balanced(family_share, rows, supervised_order="after",
+                     loss={"anchor_solved": True, "anchors_per_group": 2}, **fields)
+
+
 def _balanced(family_share: float = 1.0, rows: int = 512, **fields) -> dict:
     """study-512-apart with `family_share` of the rehearsal split evenly across families and a
     floor of 128 train tasks per family (`rows` rehearsed tasks), with further LearnerConfig
@@ -245,27 +252,22 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                          "policy-gradient ones",
                                          _balanced(supervised_order="after", loss={"anchor_solved": True})),
     "study-512-balanced-anchors-2-after": ("study-512-balanced-anchors-after with 2 anchors per all-pass group",
-                                           _balanced(supervised_order="after",
-                                                     loss={"anchor_solved": True, "anchors_per_group": 2})),
+                                           _anchored_after()),
     "study-512-floor-anchors-2-after": ("study-512-balanced-anchors-2-after with the rehearsal drawn from the pool "
                                         "(no even split across families)",
-                                        _balanced(0.0, supervised_order="after",
-                                                  loss={"anchor_solved": True, "anchors_per_group": 2})),
+                                        _anchored_after(0.0)),
     "study-512-floor-anchors-2": ("study-512-floor-anchors-2-after with the supervised updates before the "
                                   "policy-gradient ones",
                                   _balanced(0.0, loss={"anchor_solved": True, "anchors_per_group": 2})),
     "study-512-half-anchors-2-after": ("study-512-balanced-anchors-2-after with half the rehearsal split evenly "
                                        "across families and half drawn from the pool",
-                                       _balanced(0.5, supervised_order="after",
-                                                 loss={"anchor_solved": True, "anchors_per_group": 2})),
+                                       _anchored_after(0.5)),
     "study-1024-balanced-anchors-2-after": ("study-512-balanced-anchors-2-after with 1024 rehearsed tasks and 32 "
                                             "supervised updates of 32",
-                                            _balanced(1.0, 1024, supervised_updates=32, supervised_order="after",
-                                                      loss={"anchor_solved": True, "anchors_per_group": 2})),
+                                            _anchored_after(1.0, 1024, supervised_updates=32)),
     "study-1024-balanced-anchors-2-after-48": ("study-1024-balanced-anchors-2-after with 48 supervised updates "
                                                "(one and a half passes over 1024 rehearsed solutions)",
-                                               _balanced(1.0, 1024, supervised_updates=48, supervised_order="after",
-                                                         loss={"anchor_solved": True, "anchors_per_group": 2})),
+                                               _anchored_after(1.0, 1024, supervised_updates=48)),
     "study-1024-apart": ("study-1024-batched with the rehearsed solutions trained by the supervised updates alone",
                          _study(1024, {"variants_per_failure": 24, "min_replay": 384}, supervised_updates=32,
                                 supervised_batch=32, rehearsal_updates="supervised")),

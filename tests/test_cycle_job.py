@@ -57,7 +57,7 @@ from ops.serving import vllm_server
 from ops.tasks.task_world import generate_tasks
 from pipelines.audit import audit_run
 from pipelines.instance import prepare_dagster_home
-from small_cycle import small
+from small_cycle import STUDY_OPS, small
 
 RUN_CONFIG = {"ops": small({
     "rollouts": {"config": {"max_tasks": 8, "group_size": 4, "min_informative_groups": 4, "max_groups": 8}},
@@ -238,7 +238,10 @@ def _check_record(instance: dg.DagsterInstance, uri: str, champion_before: str) 
     assert rounds[0]["groups"] == 8 and sum(r["groups"] for r in rounds) == rollouts["groups"] <= 8
     assert rollouts["policy_rollouts"] == 4 * rollouts["groups"]
     assert rollouts["reference_rollouts"] == rollouts["guided_groups"] == sum(r["guided"] for r in rounds)
-    assert rollouts["rollouts"] == rollouts["policy_rollouts"] + rollouts["reference_rollouts"]
+    # the reference solutions of a few unchosen tasks rehearsed (tests/small_cycle.py), rows of their own
+    assert 0 < rollouts["rehearsal_rollouts"] <= STUDY_OPS["rollouts"]["config"]["rehearsal_tasks"]
+    assert rollouts["rollouts"] == (rollouts["policy_rollouts"] + rollouts["reference_rollouts"]
+                                    + rollouts["rehearsal_rollouts"])
     assert rollouts["informative_groups"] == sum(r["informative"] for r in rounds)
     assert (rollouts["informative_groups"] >= 4) == (rollouts["refill_stopped"] == "target reached")
     assert len(rollouts["task_choices"]) == rollouts["groups"]
