@@ -152,9 +152,9 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
                                          if r.data.tags.get("perpetua.stage") == stage)
     assert iterations_of("rollout") == iterations_of("reward") == iterations_of("learn") == ["1", "2"]
 
-    # The lineage of cycle 2's run reaches back through the checkpoint it continued from: cycle 1's
-    # when cycle 1 was deployed (a cycle builds on the champion), the base policy's otherwise; and
-    # to both cycles' harvests either way (a harvest continues from the failures table it extended).
+    # The lineage of cycle 2's run reaches back through the checkpoint it continued from: cycle 1's,
+    # deployed or not (a cycle builds on the newest policy, PolicyLineage's default), and to both
+    # cycles' harvests (a harvest continues from the failures table it extended).
     audit = subprocess.run([sys.executable, "-m", "pipelines.cli", "audit", "--run", row2["dagster_run_id"], "--json"],
                            env=env, capture_output=True, text=True, timeout=300)
     lineage = json.loads(audit.stdout)
@@ -163,9 +163,8 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
     assert _informative_tasks(home, 2, 2) <= set(lineage["learned_from"]["task_ids"])
     runs_of = lambda key: {hop["dagster_run_id"] for hop in lineage["hops"] if hop["asset_key"] == key}  # noqa: E731
     both = {row["dagster_run_id"], row2["dagster_run_id"]}
-    learned = both if row["deployed"] else {row2["dagster_run_id"]}
     for key in ("policy_checkpoint", "rollouts", "verified_rewards"):
-        assert runs_of(key) == learned, (key, row["deployed"])
+        assert runs_of(key) == both, (key, row["deployed"])
     assert runs_of("harvested_failures") == both
     # ... to the production traces: every failure landed before the second run (harvested by
     # cycle 1 or 2) and every MLflow failure before cycle 2, and nothing that is not a failure.
