@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 
+from ops.cluster.config import deep_merge
+
 STUDY_OPS = {
     "training_tasks": {"config": {"min_replay": 16, "variants_per_failure": 1, "family_floor": 8}},
     "rollouts": {"config": {"rehearsal_tasks": 8}},
@@ -15,8 +17,4 @@ STUDY_OPS = {
 
 def small(ops: dict) -> dict:
     """`ops` (a cycle job's run config `ops`, by asset) over the scaled-down study settings."""
-    out = copy.deepcopy(STUDY_OPS)
-    for name, value in ops.items():
-        config = {**out.get(name, {}).get("config", {}), **value.get("config", {})}
-        out[name] = {**out.get(name, {}), **value, "config": config}
-    return out
+    return deep_merge(copy.deepcopy(STUDY_OPS), ops)

@@ -176,10 +176,11 @@ class ClusterConfig(_Strict):
         return f"{self.home.mount_path.rstrip('/')}/{relative.lstrip('/')}"
 
 
-def _merge(base: dict, override: dict) -> dict:
+def deep_merge(base: dict, override: dict) -> dict:
+    """`base` with `override` on top, nested dicts merged key by key (neither is changed)."""
     out = dict(base)
     for k, v in override.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -206,7 +207,7 @@ def load_config(path: Path | None = None) -> ClusterConfig:
     if not isinstance(data, dict):
         raise ClusterConfigError(f"{path} must hold a mapping of settings, not {type(data).__name__}")
     try:
-        return ClusterConfig.model_validate(_merge(ClusterConfig().model_dump(), data))
+        return ClusterConfig.model_validate(deep_merge(ClusterConfig().model_dump(), data))
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
