@@ -115,11 +115,13 @@ def _study(rows: int, tasks: dict, family_share: float = 0.0, **fields) -> dict:
 STUDY_APART = {"supervised_updates": 16, "supervised_batch": 32, "rehearsal_updates": "supervised"}
 
 
+# The first two samples of each all-pass group kept as supervised anchors.
+ANCHORS_2 = {"anchor_solved": True, "anchors_per_group": 2}
+
+
 def _anchored_after(family_share: float = 1.0, rows: int = 512, **fields) -> dict:
-    """`_balanced` with the supervised updates after the policy-gradient ones and the first two
-    samples of each all-pass group kept as supervised anchors."""
-    return _balanced(family_share, rows, supervised_order="after",
-                     loss={"anchor_solved": True, "anchors_per_group": 2}, **fields)
+    """`_balanced` with the supervised updates after the policy-gradient ones and ANCHORS_2."""
+    return _balanced(family_share, rows, supervised_order="after", loss=ANCHORS_2, **fields)
 
 
 def _balanced(family_share: float = 1.0, rows: int = 512, **fields) -> dict:
@@ -258,7 +260,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                         _anchored_after(0.0)),
     "study-512-floor-anchors-2": ("study-512-floor-anchors-2-after with the supervised updates before the "
                                   "policy-gradient ones",
-                                  _balanced(0.0, loss={"anchor_solved": True, "anchors_per_group": 2})),
+                                  _balanced(0.0, loss=ANCHORS_2)),
     "study-512-half-anchors-2-after": ("study-512-balanced-anchors-2-after with half the rehearsal split evenly "
                                        "across families and half drawn from the pool",
                                        _anchored_after(0.5)),
