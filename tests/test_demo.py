@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from ops.cluster.config import deep_merge
 from small_cycle import small
 
 CYCLE_OPS = {"rollouts": {"config": {"max_tasks": 16, "group_size": 4}},
@@ -27,9 +29,8 @@ SMALL = yaml.safe_dump({"bootstrap": BOOTSTRAP, "perpetua_cycle": {"ops": small(
 
 # The second run: two on-policy iterations per cycle (rollouts by the newest weights, verified, a
 # step), each with the reference solutions of a few unchosen tasks rehearsed.
-ITERATING = yaml.safe_dump({"bootstrap": BOOTSTRAP, "perpetua_cycle": {"ops": small(
-    CYCLE_OPS | {"rollouts": {"config": {"max_tasks": 16, "group_size": 4, "rehearsal_tasks": 3}},
-                 "policy_checkpoint": {"config": {"iterations": 2}}})}})
+ITERATING = yaml.safe_dump({"bootstrap": BOOTSTRAP, "perpetua_cycle": {"ops": small(deep_merge(
+    CYCLE_OPS, {"rollouts": {"config": {"rehearsal_tasks": 3}}, "policy_checkpoint": {"config": {"iterations": 2}}}))}})
 
 # docs/architecture.md, `demo --summary FILE` (fixed keys).
 CYCLE_KEYS = {"cycle", "failures_harvested", "rollouts", "mean_reward", "champion_score", "candidate_score", "gain_ci",
