@@ -44,6 +44,12 @@ class RolloutsConfig(dg.Config):
     eval_prior: bool = Field(default=False, description="Curriculum: a family's pass rate is the sampling policy's "
                              "own on the eval sets of the newest cycle report that scored it (else the rollout "
                              "history's), so a family the deployed candidate learned is known to be solved.")
+    round_feedback: bool = Field(default=True, description="Curriculum: a refill round chooses knowing the earlier "
+                                 "rounds of its cycle (their groups, and the cycle's own rates of the families they "
+                                 "sampled).")
+    min_refill_yield: float = Field(default=0.0, ge=0, le=1, description="Sample a refill round only when its chosen "
+                                    "tasks promise at least this share of informative groups (their mean curriculum "
+                                    "weight); 0 = always.")
     rehearsal_tasks: int = Field(default=1024, ge=0, description="Reference solutions of this many unchosen tasks "
                                  "(of every family at rehearsal_pass_rate 0, else of solved ones) added as rows the "
                                  "learner trains by its supervised updates: the study of many distinct questions, and "
@@ -81,10 +87,11 @@ def dynamic_config(config: RolloutsConfig) -> DynamicSamplingConfig:
     return DynamicSamplingConfig(
         max_tasks=config.max_tasks, min_informative_groups=config.min_informative_groups,
         max_rounds=config.max_rounds, max_groups=config.max_groups, guide_after=config.guide_after,
+        min_refill_yield=config.min_refill_yield,
         rehearsal_tasks=config.rehearsal_tasks, rehearsal_pass_rate=config.rehearsal_pass_rate,
         rehearsal_family_share=config.rehearsal_family_share,
         curriculum=CurriculumConfig(enabled=config.curriculum, min_weight=config.replay_weight,
-                                    eval_prior=config.eval_prior))
+                                    eval_prior=config.eval_prior, round_feedback=config.round_feedback))
 
 
 def sample_iteration(context, config: RolloutsConfig, trainer_server: PolicyServer, mlflow: MlflowTracking,

@@ -46,7 +46,8 @@ PLAIN_LEARNER = {"updates_per_step": 2}
 # rehearsed by a supervised pass, with anchors): every configuration but "defaults" is defined
 # against them, so a row means what it meant when it was measured ("earlier-defaults" is them alone).
 EARLIER_TASKS = {"variants_per_failure": 0, "min_replay": 16, "family_floor": 0}
-EARLIER_ROLLOUTS = {"rehearsal_tasks": 0, "rehearsal_pass_rate": 0.8, "rehearsal_family_share": 0.0}
+EARLIER_ROLLOUTS = {"rehearsal_tasks": 0, "rehearsal_pass_rate": 0.8, "rehearsal_family_share": 0.0,
+                    "round_feedback": False, "min_refill_yield": 0.0}
 EARLIER_LEARNER = {"supervised_updates": 0, "supervised_batch": None, "rehearsal_updates": "all",
                    "supervised_order": "before", "anchor_solved": False, "anchors_per_group": None}
 EARLIER_LINEAGE = "champion"  # each cycle built on the deployed champion
@@ -63,6 +64,11 @@ def _cycle_config(rollouts: dict | None = None, learner: dict | None = None, tas
                                        "rollouts": {"config": EARLIER_ROLLOUTS | (rollouts or {})},
                                        "policy_checkpoint": {"config": EARLIER_LEARNER | (learner or {})}},
                                "resources": _lineage(lineage)}}
+
+
+def _rollouts(**fields) -> dict:
+    """The defaults with the given rollouts settings changed (nothing else)."""
+    return {"perpetua_cycle": {"ops": {"rollouts": {"config": fields}}}}
 
 
 def _overrides(**fields) -> dict:
@@ -273,13 +279,22 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "study-1024-apart": ("study-1024-batched with the rehearsed solutions trained by the supervised updates alone",
                          _study(1024, {"variants_per_failure": 24, "min_replay": 384}, supervised_updates=32,
                                 supervised_batch=32, rehearsal_updates="supervised")),
-    "defaults-eval-prior": ("defaults built on the champion, with the curriculum's family rates from the sampling "
+    "defaults-eval-prior": ("defaults before round feedback, built on the champion, with the curriculum's family rates from the sampling "
                             "policy's own eval (the newest cycle report that scored it) instead of the rollout "
-                            "history", {"perpetua_cycle": {"ops": {"rollouts": {"config": {"eval_prior": True}}},
+                            "history", {"perpetua_cycle": {"ops": {"rollouts": {"config": {"eval_prior": True,
+                                                                                            "round_feedback": False}}},
                                                            "resources": _lineage("champion")}}),
-    "defaults-build-on-champion": ("defaults, each cycle building on the deployed champion instead of the newest "
+    "defaults-no-round-feedback": ("defaults with refill rounds choosing as the first round does, blind to what "
+                                   "the earlier rounds of the cycle found", _rollouts(round_feedback=False)),
+    "defaults+eval-prior": ("defaults with the curriculum's family rates from the sampling policy's own eval",
+                            _rollouts(eval_prior=True)),
+    "defaults+eval-prior+refill-yield": ("defaults+eval-prior, a refill round sampled only when its tasks promise "
+                                         "half of their groups informative",
+                                         _rollouts(eval_prior=True, min_refill_yield=0.5)),
+    "defaults-build-on-champion": ("defaults before round feedback, each cycle building on the deployed champion instead of the newest "
                                    "policy (a blocked candidate is set aside)",
-                                   {"perpetua_cycle": {"resources": _lineage("champion")}}),
+                                   {"perpetua_cycle": {"ops": {"rollouts": {"config": {"round_feedback": False}}},
+                                                       "resources": _lineage("champion")}}),
     "build-on-latest": ("earlier-defaults, each cycle building on the newest policy (blocked or not) instead of the "
                         "champion", _cycle_config(lineage="latest")),
 }

@@ -251,3 +251,67 @@ def test_eval_prior_gives_a_family_the_rate_the_sampling_policy_scored(tmp_path)
     assert before.pass_rate < 0.1 < 0.9 < after.pass_rate and after.weight < before.weight
     assert with_evaluated_families(history, tmp_path, version=3, before_cycle=3) == history  # v3: never scored
     assert with_evaluated_families(history, tmp_path, version=2, before_cycle=2) == history  # only earlier reports
+
+
+def half_mul(prompt: str, r) -> str:
+    """Solves additions; a product right on about half its samples (by the request's seed)."""
+    lines = prompt.rstrip("\n").split("\n")
+    task = next(t for t in POOL if t.question == lines[0][3:])
+    if len(lines) == 1:
+        return f"CALL calc({task.expression})\n"
+    right = task.family == "add" or (r.seed or 0) % 2 == 0
+    return f"ANSWER {lines[-1].removeprefix('RESULT ') if right else 0}\n"
+
+
+def test_refill_rounds_choose_knowing_what_the_earlier_rounds_found(tokenizer, screen):
+    """The history (an older policy's) calls `add` uncertain and `mul` solved; the policy that
+    samples now solves every addition and half of each product. Round 0 goes by the history and
+    draws additions, all-pass. With round feedback the refill round knows the cycle's own `add`
+    rate and draws products, which teach; without it, it repeats round 0's mistake. A refill
+    whose tasks promise too few informative groups is not sampled at all."""
+    engine = ScriptedEngine(tokenizer, half_mul)
+    history = History({}, {"add": TaskRecord(40, 20), "mul": TaskRecord(40, 40)}, (1,))
+    cfg = DynamicSamplingConfig(max_tasks=4, min_informative_groups=12, max_rounds=2, max_groups=12, guide_after=0)
+    sampling = SamplingConfig(group_size=4)
+
+    def run(c: DynamicSamplingConfig):
+        return sample_informative(engine, tokenizer, POOL, history, c, sampling, screen, cycle=2, version=3)
+
+    fed = run(cfg)
+    blind = run(cfg.model_copy(update={"curriculum": CurriculumConfig(round_feedback=False)}))
+    round_families = lambda b, n: [c.task.family for c in b.choices if any(  # noqa: E731
+        r["task_id"] == c.task.task_id and r["sampling_round"] == n for r in b.rows)]
+    assert round_families(fed, 0) == round_families(blind, 0)  # round 0: the history alone, either way
+    assert fed.rounds[0].informative == 0 and round_families(fed, 0).count("add") >= 3
+    assert round_families(fed, 1).count("mul") > round_families(blind, 1).count("mul")
+    assert fed.rounds[1].informative > blind.rounds[1].informative
+    refill = fed.choices[len(fed.choices) - fed.rounds[1].groups:]
+    assert all(c.pass_rate > 0.9 for c in refill if c.task.family == "mul")  # unsampled so far: the history's rate
+    # min_refill_yield: the refill's tasks promise little (solved adds, a "solved" mul): not sampled
+    stingy = run(cfg.model_copy(update={"min_refill_yield": 0.5}))
+    assert len(stingy.rounds) == 1 and stingy.exhausted == "low_yield" and stingy.groups == 4
+    same = lambda rows: [(r["group_id"], r["sample_index"], r["completion_ids"]) for r in rows]  # noqa: E731
+    assert same(stingy.rows) == same(r for r in fed.rows if r["sampling_round"] == 0)
+
+
+def test_with_round_adds_the_policy_groups_and_sets_the_cycle_rates(tokenizer, screen):
+    """One round: the task records gain its groups, the families it sampled take the cycle's own
+    rates (accumulated over rounds), reference rows and lost rewards count for nothing, and the
+    history it started from is left as it was."""
+    from ops.rollout.curriculum import with_round
+
+    engine = ScriptedEngine(tokenizer, add_only)
+    history = History({ADD[0].task_id: TaskRecord(8, 0, 1)}, {"add": TaskRecord(40, 4), "mul": TaskRecord(40, 40)}, (1,))
+    rows = generate_groups(engine, tokenizer, ADD[:2], SamplingConfig(group_size=4), cycle=2, require_version=3).rows
+    rows += reference_rows(engine, tokenizer, ADD[:1], SamplingConfig(group_size=4), cycle=2, policy_version=3)
+    rewards = screen(rows)
+    rewards[1] = None  # a verification that failed: not the policy's outcome
+    this_cycle = {}
+    after = with_round(history, rows, rewards, this_cycle)
+    assert after.tasks[ADD[0].task_id] == TaskRecord(11, 3, 0) and after.tasks[ADD[1].task_id] == TaskRecord(4, 4, 0)
+    assert after.families["add"] == TaskRecord(7, 7) == this_cycle["add"] and after.families["mul"] == TaskRecord(40, 40)
+    assert history.tasks[ADD[0].task_id] == TaskRecord(8, 0, 1) and history.families["add"] == TaskRecord(40, 4)
+    more = generate_groups(engine, tokenizer, MUL[:1], SamplingConfig(group_size=4), cycle=2, require_version=3).rows
+    later = with_round(after, more, screen(more), this_cycle)
+    assert later.families["add"] == TaskRecord(7, 7) and later.families["mul"] == TaskRecord(4, 0)
+    assert after.families["mul"] == TaskRecord(40, 40)  # the earlier round's view is not changed by the later one

@@ -18,7 +18,11 @@ project already knows of each task, read from the stored rollouts and rewards of
   too, counted at `guided_value` of an uncertain one: `1 - p^G - (1 - guided_value) (1 - p)^G`.
   So the weight is largest for tasks the policy solves sometimes, stays high for never-solved
   tasks that guidance can teach (a hard pool retried every cycle), and is smallest for solved
-  tasks, never below `min_weight` (solved families are still replayed a little).
+  tasks, never below `min_weight` (solved families are still replayed a little);
+- within a cycle, with `round_feedback`, a refill round (ops/rollout/dynamic.py) chooses knowing
+  what the earlier rounds found (`with_round`): their groups join the task records, and the
+  cycle's own samples set the rate of each family they sampled, so a family the policy solves
+  by now stops drawing groups that all pass.
 
 The choice is a weighted sample without replacement, seeded by the cycle and the round, so a
 retried cycle attempts the same tasks. Every choice is recorded with its estimate and weight
@@ -57,6 +61,10 @@ class CurriculumConfig(BaseModel):
         bool, Field(description="A family's rate is the sampling policy's own per-family pass rate on the eval sets "
                     "of the newest cycle report that scored it, where there is one; otherwise the rollout history's")
     ] = False
+    round_feedback: Annotated[
+        bool, Field(description="A refill round chooses knowing the earlier rounds of its cycle: their groups join "
+                    "the task records and the cycle's own samples set the rates of the families they sampled")
+    ] = True
 
 
 @dataclass
@@ -112,17 +120,42 @@ def read_history(data_dir: Path, before_cycle: int, cycles: int, current_iterati
             ["group_id", "sample_index", "task_id", "family", "source"]).to_pylist()
         rewards = {(r["group_id"], r["sample_index"]): r for r in read_table(rewards_path(data_dir, c, it), REWARDS).select(
             ["group_id", "sample_index", "reward", "infra_failure"]).to_pylist()}
-        groups: dict[str, tuple[str, list[float]]] = {}
+        scored = []
         for row in rollouts:
             reward = rewards.get((row["group_id"], row["sample_index"]))
-            if rollout_source(row) != "policy" or reward is None or reward["infra_failure"]:
-                continue
-            groups.setdefault(row["task_id"], (row["family"], []))[1].append(float(reward["reward"]))
-        for task_id, (family, values) in groups.items():
-            tasks[task_id].add_group(values)
-            families[family].attempts += len(values)
-            families[family].passes += sum(v > 0 for v in values)
+            scored.append((row, None if reward is None or reward["infra_failure"] else reward["reward"]))
+        _add_groups(tasks, families, scored)
     return History(dict(tasks), dict(families), tuple(window))
+
+
+def _add_groups(tasks: dict[str, TaskRecord], families: dict[str, TaskRecord],
+                scored: list[tuple[dict, float | None]]) -> None:
+    """Add the policy samples of (rollout row, reward) pairs to the task and family records, one
+    group per task. Reference and rehearsal rows, and rewards lost to an infrastructure failure
+    (None), are not the policy's outcomes and are not counted."""
+    groups: dict[str, tuple[str, list[float]]] = {}
+    for row, reward in scored:
+        if rollout_source(row) == "policy" and reward is not None:
+            groups.setdefault(row["task_id"], (row["family"], []))[1].append(float(reward))
+    for task_id, (family, values) in groups.items():
+        tasks.setdefault(task_id, TaskRecord()).add_group(values)
+        record = families.setdefault(family, TaskRecord())
+        record.attempts += len(values)
+        record.passes += sum(v > 0 for v in values)
+
+
+def with_round(history: History, rows: list[dict], rewards: list[float | None],
+               this_cycle: dict[str, TaskRecord]) -> History:
+    """`history` with one sampling round's screened outcomes, for the next round's choice: each
+    sampled task's group added to its record, and the rate of every family sampled so far in this
+    cycle (`this_cycle`, updated in place) replaced by this cycle's own samples. The history
+    mixes earlier cycles' policies; the rounds are the sampling policy's own, so a family it
+    solves now stops drawing refill rounds of all-pass groups, and one it has forgotten is
+    sampled again."""
+    tasks = {k: replace(v) for k, v in history.tasks.items()}
+    _add_groups(tasks, this_cycle, list(zip(rows, rewards)))
+    return replace(history, tasks=tasks,
+                   families=history.families | {k: replace(v) for k, v in this_cycle.items()})
 
 
 def with_evaluated_families(history: History, data_dir: Path, version: int, before_cycle: int) -> History:

@@ -14,7 +14,11 @@ it carries signal:
               solved gets a gradient toward the solution instead of none;
     refill:   while the batch holds fewer than `min_informative_groups` informative groups,
               another round samples fresh tasks of the pool (deficit / observed informative
-              rate, capped), at most `max_rounds` rounds and `max_groups` groups in all.
+              rate, capped), at most `max_rounds` rounds and `max_groups` groups in all; the
+              curriculum knows the earlier rounds' outcomes (its `round_feedback`), and a round
+              whose chosen tasks promise fewer informative groups than `min_refill_yield` of
+              them (their mean curriculum weight, the estimated chance of reward variance) is
+              not sampled: a refill of mostly all-pass groups costs generation and teaches little.
 
     rehearsal: after the rounds, `rehearsal_tasks` tasks of solved families that no round chose
               (the bootstrap families the base policy was fine-tuned on, and families the
@@ -51,7 +55,7 @@ from typing import Annotated, Callable
 
 from pydantic import BaseModel, Field
 
-from ops.rollout.curriculum import CurriculumConfig, History, TaskChoice, choose_tasks
+from ops.rollout.curriculum import CurriculumConfig, History, TaskChoice, choose_tasks, with_round
 from ops.rollout.engine import RolloutEngine
 from ops.rollout.groups import SamplingConfig, generate_groups, reference_rows
 from ops.envs import Environment, get_environment
@@ -77,6 +81,10 @@ class DynamicSamplingConfig(BaseModel):
                    "in a row (earlier cycles' and this one) failed every sample; 0 = no guidance")
     ] = 1
     reference_samples: Annotated[int, Field(ge=1, description="Reference rows added to a guided group")] = 1
+    min_refill_yield: Annotated[
+        float, Field(ge=0, le=1, description="Sample a refill round only when its chosen tasks' mean curriculum "
+                     "weight (the estimated share of them whose group has reward variance) reaches this; 0 = always")
+    ] = 0.0
     rehearsal_tasks: Annotated[
         int, Field(ge=0, description="Reference solutions of this many unchosen tasks of solved families added as "
                    "supervised rows of their own (source 'rehearsal'); 0 = none")
@@ -156,6 +164,9 @@ def sample_informative(
     start = time.monotonic()
     out = DynamicBatch(rows=[])
     remaining = {t.task_id: t for t in pool}
+    # what the task choice knows: the history, and with round_feedback this cycle's rounds so far
+    # (guidance and rehearsal go by the history alone)
+    choosing, this_cycle = history, {}
     want = cfg.max_tasks
     for rnd in range(cfg.max_rounds):
         want = min(want, cfg.max_groups - out.groups, len(remaining))
@@ -163,9 +174,15 @@ def sample_informative(
             out.exhausted = "pool" if not remaining else "max_groups"
             break
         t0 = time.monotonic()
-        choices = choose_tasks(list(remaining.values()), want, history, cfg.curriculum, guide_after=cfg.guide_after,
+        choices = choose_tasks(list(remaining.values()), want, choosing, cfg.curriculum, guide_after=cfg.guide_after,
                                group_size=sampling.group_size, seed=f"rollout-tasks:{cycle}:{rnd}" if iteration == 1
                                else f"rollout-tasks:{cycle}.{iteration}:{rnd}")
+        if rnd and cfg.curriculum.enabled and sum(c.weight for c in choices) < cfg.min_refill_yield * len(choices):
+            out.exhausted = "low_yield"
+            log(f"round {rnd}: not sampled, its {len(choices)} tasks promise "
+                f"{sum(c.weight for c in choices) / len(choices):.0%} informative groups "
+                f"(min_refill_yield {cfg.min_refill_yield:.0%})")
+            break
         tasks = [c.task for c in choices]
         for t in tasks:
             del remaining[t.task_id]
@@ -181,6 +198,8 @@ def sample_informative(
             rewards += _timed(out, "screening_seconds", screen, extra)
             rows += extra
         informative = _informative_groups(rows, rewards)
+        if cfg.curriculum.round_feedback:
+            choosing = with_round(choosing, rows, rewards, this_cycle)
         out.rows += rows
         out.choices += choices
         out.guided_tasks += [t.task_id for t in guided]
