@@ -48,8 +48,8 @@ class RolloutsConfig(dg.Config):
                                  "rounds of its cycle (their groups, and the cycle's own rates of the families they "
                                  "sampled).")
     min_refill_yield: float = Field(default=0.0, ge=0, le=1, description="Sample a refill round only when its chosen "
-                                    "tasks promise at least this share of informative groups (their mean curriculum "
-                                    "weight); 0 = always.")
+                                    "tasks promise at least this share of informative groups (by their estimated "
+                                    "pass rates); 0 = always.")
     rehearsal_tasks: int = Field(default=1024, ge=0, description="Reference solutions of this many unchosen tasks "
                                  "(of every family at rehearsal_pass_rate 0, else of solved ones) added as rows the "
                                  "learner trains by its supervised updates: the study of many distinct questions, and "

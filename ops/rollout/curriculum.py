@@ -204,10 +204,21 @@ def task_weight(task: Task, history: History, cfg: CurriculumConfig, guide_after
                 group_size: int) -> tuple[float, float]:
     """(estimated pass rate, sampling weight) of a task: the chance its group has reward variance."""
     p = history.pass_rate(task, cfg.prior_strength)
-    guided = bool(guide_after) and history.fail_streak(task.task_id) + 1 >= guide_after
-    all_fail_kept = cfg.guided_value if guided else 0.0
-    informative = 1 - p**group_size - (1 - all_fail_kept) * (1 - p) ** group_size
-    return p, max(informative, cfg.min_weight)
+    guided = guided_if_all_fail(history.fail_streak(task.task_id), guide_after)
+    return p, max(informative_chance(p, group_size, cfg.guided_value if guided else 0.0), cfg.min_weight)
+
+
+def guided_if_all_fail(fail_streak: int, guide_after: int) -> bool:
+    """Whether a task's group that fails every sample gets the reference solution (the streak then
+    reaches guide_after)."""
+    return bool(guide_after) and fail_streak + 1 >= guide_after
+
+
+def informative_chance(pass_rate: float, group_size: int, all_fail_kept: float = 0.0) -> float:
+    """P(a group of `group_size` samples has differing rewards) at `pass_rate`, an all-fail group
+    counted at `all_fail_kept` (1 where guidance makes it informative for certain)."""
+    p = pass_rate
+    return 1 - p**group_size - (1 - all_fail_kept) * (1 - p) ** group_size
 
 
 def choose_tasks(pool: list[Task], k: int, history: History, cfg: CurriculumConfig, *, guide_after: int,

@@ -17,8 +17,7 @@ it carries signal:
               rate, capped), at most `max_rounds` rounds and `max_groups` groups in all; the
               curriculum knows the earlier rounds' outcomes (its `round_feedback`), and a round
               whose chosen tasks promise fewer informative groups than `min_refill_yield` of
-              them (their mean curriculum weight, the estimated chance of reward variance) is
-              not sampled: a refill of mostly all-pass groups costs generation and teaches little.
+              them (by their estimated pass rates; `expected_yield`) is not sampled: a refill of mostly all-pass groups costs generation and teaches little.
 
     rehearsal: after the rounds, `rehearsal_tasks` tasks of solved families that no round chose
               (the bootstrap families the base policy was fine-tuned on, and families the
@@ -55,7 +54,8 @@ from typing import Annotated, Callable
 
 from pydantic import BaseModel, Field
 
-from ops.rollout.curriculum import CurriculumConfig, History, TaskChoice, choose_tasks, with_round
+from ops.rollout.curriculum import (CurriculumConfig, History, TaskChoice, choose_tasks, guided_if_all_fail,
+                                    informative_chance, with_round)
 from ops.rollout.engine import RolloutEngine
 from ops.rollout.groups import SamplingConfig, generate_groups, reference_rows
 from ops.envs import Environment, get_environment
@@ -82,8 +82,9 @@ class DynamicSamplingConfig(BaseModel):
     ] = 1
     reference_samples: Annotated[int, Field(ge=1, description="Reference rows added to a guided group")] = 1
     min_refill_yield: Annotated[
-        float, Field(ge=0, le=1, description="Sample a refill round only when its chosen tasks' mean curriculum "
-                     "weight (the estimated share of them whose group has reward variance) reaches this; 0 = always")
+        float, Field(ge=0, le=1, description="Sample a refill round only when the share of its chosen tasks "
+                     "expected to give a group with signal (by their estimated pass rates, guidance counted) reaches "
+                     "this; 0 = always")
     ] = 0.0
     rehearsal_tasks: Annotated[
         int, Field(ge=0, description="Reference solutions of this many unchosen tasks of solved families added as "
@@ -177,11 +178,11 @@ def sample_informative(
         choices = choose_tasks(list(remaining.values()), want, choosing, cfg.curriculum, guide_after=cfg.guide_after,
                                group_size=sampling.group_size, seed=f"rollout-tasks:{cycle}:{rnd}" if iteration == 1
                                else f"rollout-tasks:{cycle}.{iteration}:{rnd}")
-        if rnd and cfg.curriculum.enabled and sum(c.weight for c in choices) < cfg.min_refill_yield * len(choices):
+        promise = expected_yield(choices, cfg.guide_after, sampling.group_size)
+        if rnd and cfg.curriculum.enabled and promise < cfg.min_refill_yield:
             out.exhausted = "low_yield"
-            log(f"round {rnd}: not sampled, its {len(choices)} tasks promise "
-                f"{sum(c.weight for c in choices) / len(choices):.0%} informative groups "
-                f"(min_refill_yield {cfg.min_refill_yield:.0%})")
+            log(f"round {rnd}: not sampled, its {len(choices)} tasks promise {promise:.1%} informative groups "
+                f"(min_refill_yield {cfg.min_refill_yield:.1%})")
             break
         tasks = [c.task for c in choices]
         for t in tasks:
@@ -257,6 +258,15 @@ def rehearsal_choice(candidates: list[Task], cfg: DynamicSamplingConfig, history
     rest = [t for t in solved if t.task_id not in taken]
     chosen += rng.sample(rest, min(cfg.rehearsal_tasks - len(chosen), len(rest)))
     return sorted(chosen, key=lambda t: t.task_id)
+
+
+def expected_yield(choices: list[TaskChoice], guide_after: int, group_size: int) -> float:
+    """The share of `choices`' groups expected to carry signal, by their estimated pass rates: a
+    group whose rewards differ, or an all-fail group guidance will give its reference solution."""
+    if not choices:
+        return 0.0
+    return sum(informative_chance(c.pass_rate, group_size, float(guided_if_all_fail(c.fail_streak, guide_after)))
+               for c in choices) / len(choices)
 
 
 def _timed(out: DynamicBatch, field_name: str, fn: Callable, *args, **kwargs):
