@@ -206,7 +206,11 @@ def policy_checkpoint(
     rollouts_config = _rollouts_config(context, cycle) if config.iterations > 1 else None
     step = _Step(context, config, pipes_subprocess_client, launcher, learner_cfg, h, cycle)
 
-    start = lineage.start_version(step.uri) if lineage.continue_from == "champion" else None
+    start = lineage.learner_start(step.uri)
+    if lineage.falls_back():
+        context.log.warning(f"the gate blocked the newest policy and the candidates before it, "
+                            f"{lineage.fall_back_after} cycles in a row: cycle {cycle} builds on the champion, "
+                            f"v{start} (lineage fall_back_after)")
     md, data_version, meter = step.run(1, rollouts, rewards, start)
     first = md
     records = [_iteration_record(1, md, rollouts, rewards)]

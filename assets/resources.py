@@ -136,17 +136,39 @@ class PolicyLineage(dg.ConfigurableResource):
     defaults"). Production still serves only candidates that passed the gate.
     `champion`: the deployed champion (the base policy until the first deploy) samples the
     cycle's rollouts and the learner continues from its checkpoint, so a candidate the gate
-    blocked is set aside, not built on: every candidate is one step from what production serves."""
+    blocked is set aside, not built on: every candidate is one step from what production serves.
+    `fall_back_after` k (with `latest`): when the newest policy is the k-th candidate in a row the
+    gate blocked, the cycle builds on the champion instead (and so on until a candidate passes),
+    so a candidate that went wrong is not compounded without end (0 = never)."""
 
     continue_from: Literal["champion", "latest"] = "latest"
+    fall_back_after: int = 3
 
     def start_version(self, mlflow_uri: str) -> int:
         from ops.deploy import registry
         from ops.policy import versions as policies
 
-        if self.continue_from == "latest":
+        if self.continue_from == "latest" and not self.falls_back():
             return policies.latest_version()
         return registry.champion_policy_version(mlflow_uri, policies.REGISTERED_MODEL)[1]
+
+    def falls_back(self) -> bool:
+        """With `latest`: the newest policy is the `fall_back_after`-th blocked candidate in a row."""
+        from ops.common.paths import home
+        from ops.evaluate.report import blocked_streak
+        from ops.policy import versions as policies
+
+        if self.fall_back_after < 0:
+            raise ValueError(f"lineage fall_back_after must be >= 0, got {self.fall_back_after}")
+        return bool(self.fall_back_after) and self.continue_from == "latest" and (
+            blocked_streak(home().data, policies.latest_version()) >= self.fall_back_after)
+
+    def learner_start(self, mlflow_uri: str) -> int | None:
+        """The version the learner must start from, or None for its newest checkpoint (the
+        `latest` lineage when it does not fall back)."""
+        if self.continue_from == "latest" and not self.falls_back():
+            return None
+        return self.start_version(mlflow_uri)
 
 
 def local_pool(role: str, default_port: int) -> PolicyServer:

@@ -103,3 +103,20 @@ def read_cycle_report(data_dir: Path, cycle: int, run_ids: set[str]) -> dict:
         raise ReportError(f"cycle {cycle}: the eval report was written by run {report.get('dagster_run_id')}, not by "
                           "this run; deploy only what this run evaluated (rerun eval_report with deployment)")
     return report
+
+
+def blocked_streak(data_dir: Path, version: int) -> int:
+    """How many cycles in a row, newest first, the gate blocked, when `version` is the newest of
+    those blocked candidates (0 when it is not: a deployed policy, or one no report judged). A
+    cycle without a report (its eval never ran) neither counts nor breaks the streak."""
+    reports = sorted((p for p in (Path(data_dir) / "eval_report").glob("cycle=*.json")),
+                     key=lambda p: int(p.stem.split("=", 1)[1]), reverse=True)
+    streak = 0
+    for path in reports:
+        report = json.loads(path.read_text())
+        if report.get("kind") != CYCLE or (report.get("gate") or {}).get("passed", True):
+            break
+        if streak == 0 and report.get("candidate_version") != version:
+            return 0
+        streak += 1
+    return streak
