@@ -17,7 +17,8 @@ it carries signal:
               rate, capped), at most `max_rounds` rounds and `max_groups` groups in all; the
               curriculum knows the earlier rounds' outcomes (its `round_feedback`), and a round
               whose chosen tasks promise fewer informative groups than `min_refill_yield` of
-              them (by their estimated pass rates; `expected_yield`) is not sampled: a refill of mostly all-pass groups costs generation and teaches little.
+              them (by their estimated pass rates; `expected_yield`) is not sampled: a refill
+              of mostly all-pass groups costs generation and teaches little.
 
     rehearsal: after the rounds, `rehearsal_tasks` tasks of solved families that no round chose
               (the bootstrap families the base policy was fine-tuned on, and families the
