@@ -44,6 +44,9 @@ class RolloutsConfig(dg.Config):
     eval_prior: bool = Field(default=False, description="Curriculum: a family's pass rate is the sampling policy's "
                              "own on the eval sets of the newest cycle report that scored it (else the rollout "
                              "history's), so a family the deployed candidate learned is known to be solved.")
+    group_prior: bool = Field(default=True, description="Curriculum: a task not seen before is expected to give a "
+                              "group with signal as often as its family's recent groups did (not as its family's "
+                              "mean pass rate predicts for alike tasks).")
     round_feedback: bool = Field(default=True, description="Curriculum: a refill round chooses knowing the earlier "
                                  "rounds of its cycle (their groups, and the cycle's own rates of the families they "
                                  "sampled).")
@@ -91,7 +94,8 @@ def dynamic_config(config: RolloutsConfig) -> DynamicSamplingConfig:
         rehearsal_tasks=config.rehearsal_tasks, rehearsal_pass_rate=config.rehearsal_pass_rate,
         rehearsal_family_share=config.rehearsal_family_share,
         curriculum=CurriculumConfig(enabled=config.curriculum, min_weight=config.replay_weight,
-                                    eval_prior=config.eval_prior, round_feedback=config.round_feedback))
+                                    eval_prior=config.eval_prior, round_feedback=config.round_feedback,
+                                    group_prior=config.group_prior))
 
 
 def sample_iteration(context, config: RolloutsConfig, trainer_server: PolicyServer, mlflow: MlflowTracking,

@@ -47,7 +47,7 @@ PLAIN_LEARNER = {"updates_per_step": 2}
 # against them, so a row means what it meant when it was measured ("earlier-defaults" is them alone).
 EARLIER_TASKS = {"variants_per_failure": 0, "min_replay": 16, "family_floor": 0}
 EARLIER_ROLLOUTS = {"rehearsal_tasks": 0, "rehearsal_pass_rate": 0.8, "rehearsal_family_share": 0.0,
-                    "round_feedback": False, "min_refill_yield": 0.0}
+                    "round_feedback": False, "min_refill_yield": 0.0, "group_prior": False}
 EARLIER_LEARNER = {"supervised_updates": 0, "supervised_batch": None, "rehearsal_updates": "all",
                    "supervised_order": "before", "anchor_solved": False, "anchors_per_group": None}
 EARLIER_LINEAGE = "champion"  # each cycle built on the deployed champion
@@ -282,18 +282,28 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "defaults-eval-prior": ("defaults before round feedback, built on the champion, with the curriculum's family rates from the sampling "
                             "policy's own eval (the newest cycle report that scored it) instead of the rollout "
                             "history", {"perpetua_cycle": {"ops": {"rollouts": {"config": {"eval_prior": True,
-                                                                                            "round_feedback": False}}},
+                                                                                            "round_feedback": False,
+                                                                                            "group_prior": False}}},
                                                            "resources": _lineage("champion")}}),
     "defaults-no-round-feedback": ("defaults with refill rounds choosing as the first round does, blind to what "
                                    "the earlier rounds of the cycle found", _rollouts(round_feedback=False)),
+    "defaults-no-group-prior": ("defaults with an unseen task expected to give signal as its family's mean pass "
+                                "rate predicts for alike tasks", _rollouts(group_prior=False)),
+    "defaults-no-group-prior+eval-prior": ("defaults-no-group-prior with the curriculum's family rates from the "
+                                           "sampling policy's own eval",
+                                           _rollouts(group_prior=False, eval_prior=True)),
+    "defaults-no-group-prior+eval-prior+refill-yield": ("defaults-no-group-prior+eval-prior, a refill round sampled "
+                                                        "only when its tasks promise half of their groups informative",
+                                                        _rollouts(group_prior=False, eval_prior=True,
+                                                                  min_refill_yield=0.5)),
     "defaults+eval-prior": ("defaults with the curriculum's family rates from the sampling policy's own eval",
                             _rollouts(eval_prior=True)),
-    "defaults+eval-prior+refill-yield": ("defaults+eval-prior, a refill round sampled only when its tasks promise "
-                                         "half of their groups informative",
-                                         _rollouts(eval_prior=True, min_refill_yield=0.5)),
+    "defaults+refill-yield": ("defaults, a refill round sampled only when its tasks promise half of their groups "
+                              "informative", _rollouts(min_refill_yield=0.5)),
     "defaults-build-on-champion": ("defaults before round feedback, each cycle building on the deployed champion instead of the newest "
                                    "policy (a blocked candidate is set aside)",
-                                   {"perpetua_cycle": {"ops": {"rollouts": {"config": {"round_feedback": False}}},
+                                   {"perpetua_cycle": {"ops": {"rollouts": {"config": {"round_feedback": False,
+                                                                                           "group_prior": False}}},
                                                        "resources": _lineage("champion")}}),
     "build-on-latest": ("earlier-defaults, each cycle building on the newest policy (blocked or not) instead of the "
                         "champion", _cycle_config(lineage="latest")),

@@ -308,10 +308,41 @@ def test_with_round_adds_the_policy_groups_and_sets_the_cycle_rates(tokenizer, s
     rewards[1] = None  # a verification that failed: not the policy's outcome
     this_cycle = {}
     after = with_round(history, rows, rewards, this_cycle)
-    assert after.tasks[ADD[0].task_id] == TaskRecord(11, 3, 0) and after.tasks[ADD[1].task_id] == TaskRecord(4, 4, 0)
-    assert after.families["add"] == TaskRecord(7, 7) == this_cycle["add"] and after.families["mul"] == TaskRecord(40, 40)
+    assert after.tasks[ADD[0].task_id] == TaskRecord(11, 3, 0, groups=1)
+    assert after.tasks[ADD[1].task_id] == TaskRecord(4, 4, 0, groups=1)
+    assert after.families["add"] == TaskRecord(7, 7, groups=2) == this_cycle["add"]
+    assert after.families["mul"] == TaskRecord(40, 40)
     assert history.tasks[ADD[0].task_id] == TaskRecord(8, 0, 1) and history.families["add"] == TaskRecord(40, 4)
     more = generate_groups(engine, tokenizer, MUL[:1], SamplingConfig(group_size=4), cycle=2, require_version=3).rows
     later = with_round(after, more, screen(more), this_cycle)
-    assert later.families["add"] == TaskRecord(7, 7) and later.families["mul"] == TaskRecord(4, 0)
+    assert later.families["add"] == TaskRecord(7, 7, groups=2)
+    assert later.families["mul"] == TaskRecord(4, 0, 1, groups=1, all_fail=1)
     assert after.families["mul"] == TaskRecord(40, 40)  # the earlier round's view is not changed by the later one
+
+
+def test_group_prior_expects_of_unseen_tasks_what_their_family_groups_gave():
+    """A solved family: 10 groups at 76 of 80 passes, one of them mixed. Its mean rate (~0.94)
+    promises a group with signal from about 4 in 10 unseen tasks; its groups gave 1 in 10, and
+    with the group prior that is what an unseen task is expected to give (shrunk toward the rate's
+    promise by two groups). A task seen before goes by its own record either way; a refill's
+    expected yield counts an all-fail group as informative where guidance writes into it."""
+    from ops.rollout.curriculum import group_chances, informative_chance, score_task
+    from ops.rollout.dynamic import expected_yield
+
+    history = History({ADD[0].task_id: TaskRecord(8, 5, groups=1, mixed=1)},
+                      {"add": TaskRecord(80, 76, groups=10, mixed=1)}, (1,))
+    on, off = CurriculumConfig(), CurriculumConfig(group_prior=False)
+    p, mixed, fail = group_chances(ADD[5], history, off, 8)
+    assert mixed == pytest.approx(informative_chance(p, 8)) and mixed > 0.35 and fail == pytest.approx((1 - p) ** 8)
+    p_on, mixed_on, fail_on = group_chances(ADD[5], history, on, 8)
+    assert p_on == p and mixed_on == pytest.approx((1 + 2 * mixed) / 12) and mixed_on < 0.2
+    assert fail_on == pytest.approx(2 * fail / 12)
+    assert group_chances(ADD[0], history, on, 8) == group_chances(ADD[0], history, off, 8)  # seen: its own record
+    assert score_task(ADD[5], history, on, 1, 8).weight < score_task(ADD[5], history, off, 1, 8).weight
+    assert score_task(ADD[0], history, on, 1, 8).weight > 2 * score_task(ADD[5], history, on, 1, 8).weight
+    no_groups = History({}, {"add": TaskRecord(80, 76)}, (1,))  # an eval-prior rate, no groups: the rate alone
+    assert group_chances(ADD[5], no_groups, on, 8) == group_chances(ADD[5], no_groups, off, 8)
+    choice = score_task(MUL[0], History({}, {"mul": TaskRecord(16, 0, groups=2, all_fail=2)}, (1,)), on, 1, 8)
+    guided, unguided = expected_yield([choice], guide_after=1), expected_yield([choice], guide_after=0)
+    assert guided == pytest.approx(choice.mixed_chance + choice.fail_chance) and guided > 0.8
+    assert unguided == pytest.approx(choice.mixed_chance) and unguided < 0.25

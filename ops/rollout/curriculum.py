@@ -19,6 +19,11 @@ project already knows of each task, read from the stored rollouts and rewards of
   So the weight is largest for tasks the policy solves sometimes, stays high for never-solved
   tasks that guidance can teach (a hard pool retried every cycle), and is smallest for solved
   tasks, never below `min_weight` (solved families are still replayed a little);
+- a family is not made of alike tasks: a solved one mostly always passes and has a few tasks it
+  fails sometimes, and its mean rate then promises far more groups with signal than its groups
+  gave. With `group_prior`, a task the history has not seen takes its family's observed shares
+  of groups whose rewards differed and of all-fail groups (`group_chances`), shrunk toward what
+  the pass rate predicts;
 - within a cycle, with `round_feedback`, a refill round (ops/rollout/dynamic.py) chooses knowing
   what the earlier rounds found (`with_round`): their groups join the task records, and the
   cycle's own samples set the rate of each family they sampled, so a family the policy solves
@@ -57,6 +62,10 @@ class CurriculumConfig(BaseModel):
     guided_value: Annotated[
         float, Field(ge=0, le=1, description="What a guided all-fail group is worth next to an uncertain one")
     ] = 0.5
+    group_prior: Annotated[
+        bool, Field(description="A task the history has not seen takes its family's observed shares of groups "
+                    "with differing rewards and of all-fail groups, not what the family's mean pass rate predicts")
+    ] = True
     eval_prior: Annotated[
         bool, Field(description="A family's rate is the sampling policy's own per-family pass rate on the eval sets "
                     "of the newest cycle report that scored it, where there is one; otherwise the rollout history's")
@@ -74,11 +83,18 @@ class TaskRecord:
     attempts: int = 0
     passes: int = 0
     fail_streak: int = 0  # consecutive most recent groups (one per cycle and iteration) in which every sample failed
+    groups: int = 0
+    mixed: int = 0  # groups whose rewards differ
+    all_fail: int = 0  # groups in which every sample failed
 
     def add_group(self, rewards: list[float]) -> None:
+        all_fail = bool(rewards) and max(rewards) <= 0
         self.attempts += len(rewards)
         self.passes += sum(r > 0 for r in rewards)
-        self.fail_streak = self.fail_streak + 1 if rewards and max(rewards) <= 0 else 0
+        self.fail_streak = self.fail_streak + 1 if all_fail else 0
+        self.groups += 1
+        self.mixed += len(set(rewards)) > 1
+        self.all_fail += all_fail
 
 
 @dataclass(frozen=True)
@@ -139,9 +155,7 @@ def _add_groups(tasks: dict[str, TaskRecord], families: dict[str, TaskRecord],
             groups.setdefault(row["task_id"], (row["family"], []))[1].append(float(reward))
     for task_id, (family, values) in groups.items():
         tasks.setdefault(task_id, TaskRecord()).add_group(values)
-        record = families.setdefault(family, TaskRecord())
-        record.attempts += len(values)
-        record.passes += sum(v > 0 for v in values)
+        families.setdefault(family, TaskRecord()).add_group(values)  # its fail_streak means nothing
 
 
 def with_round(history: History, rows: list[dict], rewards: list[float | None],
@@ -176,12 +190,14 @@ def with_evaluated_families(history: History, data_dir: Path, version: int, befo
         if who is None:
             continue
         families = dict(history.families)
-        evaluated: dict[str, TaskRecord] = defaultdict(TaskRecord)
+        evaluated: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for name in ("deciding", "guard"):
             for family, score in (report.get(who, {}).get(name) or {}).get("per_family", {}).items():
-                evaluated[family].attempts += int(score["n"])
-                evaluated[family].passes += int(score["successes"])
-        families.update(evaluated)
+                evaluated[family][0] += int(score["n"])
+                evaluated[family][1] += int(score["successes"])
+        # the rate is the eval's; the counts of groups (one sample per eval task, so none there) the history's
+        families.update({family: replace(families.get(family, TaskRecord()), attempts=n, passes=k)
+                         for family, (n, k) in evaluated.items()})
         return replace(history, families=families)
     return history
 
@@ -194,18 +210,40 @@ class TaskChoice:
     pass_rate: float
     weight: float
     fail_streak: int
+    mixed_chance: float = 0.0  # estimated P(the group's rewards differ)
+    fail_chance: float = 0.0  # estimated P(every sample of the group fails)
 
     def record(self) -> dict:
         return {"task_id": self.task.task_id, "family": self.task.family, "pass_rate": round(self.pass_rate, 4),
-                "weight": round(self.weight, 4), "fail_streak": self.fail_streak}
+                "weight": round(self.weight, 4), "fail_streak": self.fail_streak,
+                "mixed_chance": round(self.mixed_chance, 4), "fail_chance": round(self.fail_chance, 4)}
 
 
-def task_weight(task: Task, history: History, cfg: CurriculumConfig, guide_after: int,
-                group_size: int) -> tuple[float, float]:
-    """(estimated pass rate, sampling weight) of a task: the chance its group has reward variance."""
+def group_chances(task: Task, history: History, cfg: CurriculumConfig, group_size: int) -> tuple[float, float, float]:
+    """(estimated pass rate, P(rewards differ), P(all fail)) of the task's next group of
+    `group_size`. From the pass rate p alone, `1 - p^G - (1 - p)^G` and `(1 - p)^G`: right for a
+    family of alike tasks. A family is not: most of a solved family's tasks always pass and a few
+    fail sometimes, and its mean rate then promises far more groups with signal than its groups
+    gave. With `group_prior`, a task the history has not seen takes its family's observed shares
+    of mixed and all-fail groups, shrunk toward the pass-rate values by `prior_strength` groups."""
     p = history.pass_rate(task, cfg.prior_strength)
-    guided = guided_if_all_fail(history.fail_streak(task.task_id), guide_after)
-    return p, max(informative_chance(p, group_size, cfg.guided_value if guided else 0.0), cfg.min_weight)
+    mixed, fail = informative_chance(p, group_size), (1 - p) ** group_size
+    family = history.families.get(task.family)
+    if cfg.group_prior and task.task_id not in history.tasks and family is not None and family.groups:
+        k = cfg.prior_strength
+        mixed = (family.mixed + k * mixed) / (family.groups + k)
+        fail = (family.all_fail + k * fail) / (family.groups + k)
+    return p, mixed, fail
+
+
+def score_task(task: Task, history: History, cfg: CurriculumConfig, guide_after: int, group_size: int) -> TaskChoice:
+    """The task with its estimates and sampling weight: the chance its group has reward variance,
+    an all-fail group that guidance will write the solution into counted at `guided_value`, never
+    below `min_weight` (1 for all when the curriculum is off)."""
+    p, mixed, fail = group_chances(task, history, cfg, group_size)
+    streak = history.fail_streak(task.task_id)
+    weight = mixed + (cfg.guided_value if guided_if_all_fail(streak, guide_after) else 0.0) * fail
+    return TaskChoice(task, p, max(weight, cfg.min_weight) if cfg.enabled else 1.0, streak, mixed, fail)
 
 
 def guided_if_all_fail(fail_streak: int, guide_after: int) -> bool:
@@ -214,11 +252,10 @@ def guided_if_all_fail(fail_streak: int, guide_after: int) -> bool:
     return bool(guide_after) and fail_streak + 1 >= guide_after
 
 
-def informative_chance(pass_rate: float, group_size: int, all_fail_kept: float = 0.0) -> float:
-    """P(a group of `group_size` samples has differing rewards) at `pass_rate`, an all-fail group
-    counted at `all_fail_kept` (1 where guidance makes it informative for certain)."""
+def informative_chance(pass_rate: float, group_size: int) -> float:
+    """P(a group of `group_size` samples has differing rewards) at `pass_rate`, alike samples."""
     p = pass_rate
-    return 1 - p**group_size - (1 - all_fail_kept) * (1 - p) ** group_size
+    return 1 - p**group_size - (1 - p) ** group_size
 
 
 def choose_tasks(pool: list[Task], k: int, history: History, cfg: CurriculumConfig, *, guide_after: int,
@@ -226,10 +263,7 @@ def choose_tasks(pool: list[Task], k: int, history: History, cfg: CurriculumConf
     """Up to `k` distinct tasks of `pool`, a weighted sample without replacement (uniform when the
     curriculum is off), in task-id order; the same for the same inputs and seed."""
     rng = random.Random(seed)
-    scored = [(t, *task_weight(t, history, cfg, guide_after, group_size)) for t in sorted(pool, key=lambda t: t.task_id)]
-    if not cfg.enabled:
-        scored = [(t, p, 1.0) for t, p, _ in scored]
+    scored = [score_task(t, history, cfg, guide_after, group_size) for t in sorted(pool, key=lambda t: t.task_id)]
     # Efraimidis-Spirakis: the k largest u^(1/w) are a weighted sample without replacement.
-    keyed = sorted(scored, key=lambda s: rng.random() ** (1.0 / s[2]), reverse=True)[:k]
-    chosen = [TaskChoice(t, p, w, history.fail_streak(t.task_id)) for t, p, w in keyed]
+    chosen = sorted(scored, key=lambda c: rng.random() ** (1.0 / c.weight), reverse=True)[:k]
     return sorted(chosen, key=lambda c: c.task.task_id)

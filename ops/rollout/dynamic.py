@@ -55,8 +55,7 @@ from typing import Annotated, Callable
 
 from pydantic import BaseModel, Field
 
-from ops.rollout.curriculum import (CurriculumConfig, History, TaskChoice, choose_tasks, guided_if_all_fail,
-                                    informative_chance, with_round)
+from ops.rollout.curriculum import CurriculumConfig, History, TaskChoice, choose_tasks, guided_if_all_fail, with_round
 from ops.rollout.engine import RolloutEngine
 from ops.rollout.groups import SamplingConfig, generate_groups, reference_rows
 from ops.envs import Environment, get_environment
@@ -179,7 +178,7 @@ def sample_informative(
         choices = choose_tasks(list(remaining.values()), want, choosing, cfg.curriculum, guide_after=cfg.guide_after,
                                group_size=sampling.group_size, seed=f"rollout-tasks:{cycle}:{rnd}" if iteration == 1
                                else f"rollout-tasks:{cycle}.{iteration}:{rnd}")
-        promise = expected_yield(choices, cfg.guide_after, sampling.group_size)
+        promise = expected_yield(choices, cfg.guide_after)
         if rnd and cfg.curriculum.enabled and promise < cfg.min_refill_yield:
             out.exhausted = "low_yield"
             log(f"round {rnd}: not sampled, its {len(choices)} tasks promise {promise:.1%} informative groups "
@@ -261,12 +260,12 @@ def rehearsal_choice(candidates: list[Task], cfg: DynamicSamplingConfig, history
     return sorted(chosen, key=lambda t: t.task_id)
 
 
-def expected_yield(choices: list[TaskChoice], guide_after: int, group_size: int) -> float:
+def expected_yield(choices: list[TaskChoice], guide_after: int) -> float:
     """The share of `choices`' groups expected to carry signal, by their estimated pass rates: a
     group whose rewards differ, or an all-fail group guidance will give its reference solution."""
     if not choices:
         return 0.0
-    return sum(informative_chance(c.pass_rate, group_size, float(guided_if_all_fail(c.fail_streak, guide_after)))
+    return sum(c.mixed_chance + (c.fail_chance if guided_if_all_fail(c.fail_streak, guide_after) else 0.0)
                for c in choices) / len(choices)
 
 
