@@ -19,10 +19,10 @@ from ops.policy.tokenizer import load_hf_tokenizer
 from ops.reward.isolation import SandboxUnavailable
 from ops.reward.sandbox import Sandbox
 from ops.reward.scoring import load_ground_truth, rollouts_path, screen_rewards
-from ops.rollout.curriculum import CurriculumConfig, read_history, with_evaluated_families
+from ops.rollout.curriculum import CurriculumConfig, read_history, with_evaluated_families, with_production_failures
 from ops.rollout.dynamic import DynamicSamplingConfig, sample_informative
 from ops.rollout.groups import SamplingConfig, rollouts_table
-from ops.tasks.sampling import NoTrainingTasks, train_tasks
+from ops.tasks.sampling import NoTrainingTasks, new_failure_ids, train_tasks
 
 CODE_VERSION = "rollouts-3"
 # Seeds of a cycle's later on-policy iterations: the configured seed plus this times (iteration - 1).
@@ -44,15 +44,17 @@ class RolloutsConfig(dg.Config):
     eval_prior: bool = Field(default=False, description="Curriculum: a family's pass rate is the sampling policy's "
                              "own on the eval sets of the newest cycle report that scored it (else the rollout "
                              "history's), so a family the deployed candidate learned is known to be solved.")
+    failure_prior: bool = Field(default=True, description="Curriculum: a task harvested from a new production "
+                                "failure counts that failure as one failed sample of its own.")
     group_prior: bool = Field(default=True, description="Curriculum: a task not seen before is expected to give a "
                               "group with signal as often as its family's recent groups did (not as its family's "
                               "mean pass rate predicts for alike tasks).")
     round_feedback: bool = Field(default=True, description="Curriculum: a refill round chooses knowing the earlier "
                                  "rounds of its cycle (their groups, and the cycle's own rates of the families they "
                                  "sampled).")
-    min_refill_yield: float = Field(default=0.0, ge=0, le=1, description="Sample a refill round only when its chosen "
-                                    "tasks promise at least this share of informative groups (by their estimated "
-                                    "pass rates); 0 = always.")
+    min_refill_yield: float = Field(default=0.0, ge=0, le=1, description="A refill round samples the most of its "
+                                    "chosen tasks, likeliest first, that promise at least this share of informative "
+                                    "groups (by their estimated pass rates); 0 = all of them.")
     rehearsal_tasks: int = Field(default=1024, ge=0, description="Reference solutions of this many unchosen tasks "
                                  "(of every family at rehearsal_pass_rate 0, else of solved ones) added as rows the "
                                  "learner trains by its supervised updates: the study of many distinct questions, and "
@@ -95,7 +97,7 @@ def dynamic_config(config: RolloutsConfig) -> DynamicSamplingConfig:
         rehearsal_family_share=config.rehearsal_family_share,
         curriculum=CurriculumConfig(enabled=config.curriculum, min_weight=config.replay_weight,
                                     eval_prior=config.eval_prior, round_feedback=config.round_feedback,
-                                    group_prior=config.group_prior))
+                                    group_prior=config.group_prior, failure_prior=config.failure_prior))
 
 
 def sample_iteration(context, config: RolloutsConfig, trainer_server: PolicyServer, mlflow: MlflowTracking,
@@ -120,6 +122,8 @@ def sample_iteration(context, config: RolloutsConfig, trainer_server: PolicyServ
     history = read_history(data, cycle, dynamic.curriculum.history_cycles, current_iterations=iteration - 1)
     if dynamic.curriculum.eval_prior:
         history = with_evaluated_families(history, data, version, cycle)
+    if dynamic.curriculum.failure_prior:
+        history = with_production_failures(history, new_failure_ids())
     truth = load_ground_truth(data)
     try:
         sandbox = Sandbox()

@@ -346,3 +346,38 @@ def test_group_prior_expects_of_unseen_tasks_what_their_family_groups_gave():
     guided, unguided = expected_yield([choice], guide_after=1), expected_yield([choice], guide_after=0)
     assert guided == pytest.approx(choice.mixed_chance + choice.fail_chance) and guided > 0.8
     assert unguided == pytest.approx(choice.mixed_chance) and unguided < 0.25
+
+
+def test_failure_prior_counts_the_production_failure_a_task_was_harvested_from():
+    """A solved family's unseen tasks look solved; the one harvested from a new production failure
+    carries that failed sample, so it is the uncertain one the curriculum prefers. No group is
+    added (guidance streaks and group counts stay)."""
+    from ops.rollout.curriculum import score_task, with_production_failures
+
+    history = History({ADD[1].task_id: TaskRecord(8, 8, groups=1)}, {"add": TaskRecord(80, 78, groups=10)}, (1,))
+    after = with_production_failures(history, {ADD[0].task_id, ADD[1].task_id})
+    assert after.tasks[ADD[0].task_id] == TaskRecord(1, 0) and after.tasks[ADD[1].task_id] == TaskRecord(9, 8, groups=1)
+    assert ADD[0].task_id not in history.tasks and after.families == history.families
+    cfg = CurriculumConfig()
+    failed, unseen = score_task(ADD[0], after, cfg, 1, 8), score_task(ADD[2], after, cfg, 1, 8)
+    assert failed.pass_rate < 0.7 < 0.9 < unseen.pass_rate and failed.weight > 0.9 > 0.1 > unseen.weight
+    chosen = choose_tasks(ADD, 1, after, cfg, guide_after=1, group_size=8, seed="s")
+    assert [c.task for c in chosen] == [ADD[0]]
+    assert with_production_failures(history, set()) == history
+
+
+def test_a_refill_samples_the_most_of_its_tasks_that_keep_the_promise():
+    """Chances 0.9, 0.6, 0.3, 0.1 at a minimum yield of 0.5: the first three (mean 0.6) are kept,
+    all four (0.475) would fall short; nothing is kept when even the likeliest falls short; an
+    all-fail chance counts only where guidance writes into the group."""
+    from ops.rollout.curriculum import TaskChoice
+    from ops.rollout.dynamic import promising_share
+
+    choices = [TaskChoice(t, 0.5, 1.0, 0, mixed, 0.0) for t, mixed in zip(ADD[:4], (0.3, 0.9, 0.1, 0.6))]
+    kept = promising_share(choices, guide_after=1, min_yield=0.5)
+    assert [c.task for c in kept] == sorted([ADD[0], ADD[1], ADD[3]], key=lambda t: t.task_id)
+    assert promising_share(choices, guide_after=1, min_yield=0.95) == []
+    assert len(promising_share(choices, guide_after=1, min_yield=0.4)) == 4
+    failing = [TaskChoice(MUL[0], 0.05, 1.0, 3, 0.3, 0.6)]
+    assert promising_share(failing, guide_after=1, min_yield=0.5) == failing
+    assert promising_share(failing, guide_after=0, min_yield=0.5) == []

@@ -135,6 +135,9 @@ def test_replay_mixes_earlier_tasks_and_retries_are_idempotent(perpetua_home):
     assert second.counts["replay_bootstrap"] > 0
     assert second.counts["replay_previous"] + second.counts["replay_bootstrap"] == max(20, len(new))
     assert second.harvest_generation == 2
+    from ops.tasks.sampling import new_failure_ids
+
+    assert new_failure_ids() == new  # what the rollouts' failure prior counts: this generation's, train split only
 
 
 def test_variants_widen_each_new_failure_within_the_train_split(perpetua_home):

@@ -24,6 +24,8 @@ project already knows of each task, read from the stored rollouts and rewards of
   gave. With `group_prior`, a task the history has not seen takes its family's observed shares
   of groups whose rewards differed and of all-fail groups (`group_chances`), shrunk toward what
   the pass rate predicts;
+- a task harvested from a new production failure (with `failure_prior`) counts that failure as
+  one failed sample of its own (`with_production_failures`): the policy does not always solve it;
 - within a cycle, with `round_feedback`, a refill round (ops/rollout/dynamic.py) chooses knowing
   what the earlier rounds found (`with_round`): their groups join the task records, and the
   cycle's own samples set the rate of each family they sampled, so a family the policy solves
@@ -65,6 +67,10 @@ class CurriculumConfig(BaseModel):
     group_prior: Annotated[
         bool, Field(description="A task the history has not seen takes its family's observed shares of groups "
                     "with differing rewards and of all-fail groups, not what the family's mean pass rate predicts")
+    ] = True
+    failure_prior: Annotated[
+        bool, Field(description="A task harvested from a new production failure counts one failed sample "
+                    "(the deployed policy's) in its estimate")
     ] = True
     eval_prior: Annotated[
         bool, Field(description="A family's rate is the sampling policy's own per-family pass rate on the eval sets "
@@ -170,6 +176,18 @@ def with_round(history: History, rows: list[dict], rewards: list[float | None],
     _add_groups(tasks, this_cycle, list(zip(rows, rewards)))
     return replace(history, tasks=tasks,
                    families=history.families | {k: replace(v) for k, v in this_cycle.items()})
+
+
+def with_production_failures(history: History, task_ids: set[str]) -> History:
+    """`history` with one failed sample for each task harvested from a new production failure:
+    the deployed policy answered it wrongly, so it is not a task the policy always solves, though
+    the pool's many unseen tasks of a solved family mostly are. Not a group: fail streaks and
+    group counts are left as they were."""
+    tasks = dict(history.tasks)
+    for task_id in task_ids:
+        record = tasks.get(task_id, TaskRecord())
+        tasks[task_id] = replace(record, attempts=record.attempts + 1)
+    return replace(history, tasks=tasks)
 
 
 def with_evaluated_families(history: History, data_dir: Path, version: int, before_cycle: int) -> History:

@@ -15,10 +15,11 @@ it carries signal:
     refill:   while the batch holds fewer than `min_informative_groups` informative groups,
               another round samples fresh tasks of the pool (deficit / observed informative
               rate, capped), at most `max_rounds` rounds and `max_groups` groups in all; the
-              curriculum knows the earlier rounds' outcomes (its `round_feedback`), and a round
-              whose chosen tasks promise fewer informative groups than `min_refill_yield` of
-              them (by their estimated pass rates; `expected_yield`) is not sampled: a refill
-              of mostly all-pass groups costs generation and teaches little.
+              curriculum knows the earlier rounds' outcomes (its `round_feedback`), and with
+              `min_refill_yield` a refill round samples only the most of its chosen tasks
+              whose expected share of groups with signal (`expected_yield`, by their estimated
+              pass rates) reaches it, the likeliest first, and none when even the likeliest
+              falls short: a refill of mostly all-pass groups costs generation and teaches little.
 
     rehearsal: after the rounds, `rehearsal_tasks` tasks of solved families that no round chose
               (the bootstrap families the base policy was fine-tuned on, and families the
@@ -82,9 +83,9 @@ class DynamicSamplingConfig(BaseModel):
     ] = 1
     reference_samples: Annotated[int, Field(ge=1, description="Reference rows added to a guided group")] = 1
     min_refill_yield: Annotated[
-        float, Field(ge=0, le=1, description="Sample a refill round only when the share of its chosen tasks "
-                     "expected to give a group with signal (by their estimated pass rates, guidance counted) reaches "
-                     "this; 0 = always")
+        float, Field(ge=0, le=1, description="A refill round samples the most of its chosen tasks, the "
+                     "likeliest first, whose expected share of groups with signal (by their estimated pass rates, "
+                     "guidance counted) reaches this; 0 = all of them")
     ] = 0.0
     rehearsal_tasks: Annotated[
         int, Field(ge=0, description="Reference solutions of this many unchosen tasks of solved families added as "
@@ -178,12 +179,18 @@ def sample_informative(
         choices = choose_tasks(list(remaining.values()), want, choosing, cfg.curriculum, guide_after=cfg.guide_after,
                                group_size=sampling.group_size, seed=f"rollout-tasks:{cycle}:{rnd}" if iteration == 1
                                else f"rollout-tasks:{cycle}.{iteration}:{rnd}")
-        promise = expected_yield(choices, cfg.guide_after)
-        if rnd and cfg.curriculum.enabled and promise < cfg.min_refill_yield:
-            out.exhausted = "low_yield"
-            log(f"round {rnd}: not sampled, its {len(choices)} tasks promise {promise:.1%} informative groups "
-                f"(min_refill_yield {cfg.min_refill_yield:.1%})")
-            break
+        if rnd and cfg.curriculum.enabled and cfg.min_refill_yield:
+            promising = promising_share(choices, cfg.guide_after, cfg.min_refill_yield)
+            if not promising:
+                out.exhausted = "low_yield"
+                log(f"round {rnd}: not sampled, none of its {len(choices)} tasks promises a group with signal "
+                    f"at min_refill_yield {cfg.min_refill_yield:.0%}")
+                break
+            if len(promising) < len(choices):
+                log(f"round {rnd}: {len(promising)} of its {len(choices)} chosen tasks sampled, the most promising, "
+                    f"expected {expected_yield(promising, cfg.guide_after):.0%} informative "
+                    f"(min_refill_yield {cfg.min_refill_yield:.0%})")
+            choices = promising
         tasks = [c.task for c in choices]
         for t in tasks:
             del remaining[t.task_id]
@@ -258,6 +265,19 @@ def rehearsal_choice(candidates: list[Task], cfg: DynamicSamplingConfig, history
     rest = [t for t in solved if t.task_id not in taken]
     chosen += rng.sample(rest, min(cfg.rehearsal_tasks - len(chosen), len(rest)))
     return sorted(chosen, key=lambda t: t.task_id)
+
+
+def promising_share(choices: list[TaskChoice], guide_after: int, min_yield: float) -> list[TaskChoice]:
+    """The most of `choices` whose expected yield reaches `min_yield`: the likeliest to give a
+    group with signal first (a prefix by chance, so the mean falls as it grows); in task-id order."""
+    chance = {c.task.task_id: expected_yield([c], guide_after) for c in choices}
+    ranked = sorted(choices, key=lambda c: (-chance[c.task.task_id], c.task.task_id))
+    total, keep = 0.0, 0
+    for i, c in enumerate(ranked, 1):
+        total += chance[c.task.task_id]
+        if total / i >= min_yield:
+            keep = i
+    return sorted(ranked[:keep], key=lambda c: c.task.task_id)
 
 
 def expected_yield(choices: list[TaskChoice], guide_after: int) -> float:

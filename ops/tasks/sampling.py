@@ -25,3 +25,12 @@ def train_tasks(home: Home | None = None) -> list[Task]:
         raise NoTrainingTasks(f"{path} has no train-split tasks")
     return [Task.from_dict(r) for r in sorted(rows, key=lambda r: r["task_id"])]
 
+
+def new_failure_ids(home: Home | None = None) -> set[str]:
+    """The train tasks of the current task set harvested from this generation's production failures."""
+    path = current_training_tasks_path(home)
+    if path is None:
+        return set()
+    return {r["task_id"] for r in read_training_tasks(path).select(["task_id", "split", "source"]).to_pylist()
+            if r["split"] == "train" and r["source"] == "failure"}
+
