@@ -208,8 +208,8 @@ def policy_checkpoint(
 
     start = lineage.learner_start(step.uri)
     if lineage.falls_back():
-        context.log.warning(f"the gate blocked the newest policy and the candidates before it, "
-                            f"{lineage.fall_back_after} cycles in a row: cycle {cycle} builds on the champion, "
+        context.log.warning(f"the gate blocked the newest policy as worse than the champion, "
+                            f"{lineage.fall_back_after} candidates in a row: cycle {cycle} builds on the champion, "
                             f"v{start} (lineage fall_back_after)")
     md, data_version, meter = step.run(1, rollouts, rewards, start)
     first = md

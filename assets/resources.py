@@ -138,11 +138,13 @@ class PolicyLineage(dg.ConfigurableResource):
     cycle's rollouts and the learner continues from its checkpoint, so a candidate the gate
     blocked is set aside, not built on: every candidate is one step from what production serves.
     `fall_back_after` k (with `latest`): when the newest policy is the k-th candidate in a row the
-    gate blocked, the cycle builds on the champion instead (and so on until a candidate passes),
-    so a candidate that went wrong is not compounded without end (0 = never)."""
+    gate blocked as worse than the champion on the deciding set, the cycle builds on the champion
+    instead (and so on until a candidate passes), so a candidate that went wrong (a collapse) is
+    not compounded without end; a candidate blocked for no gain, or for a guard family it traded
+    while learning another, is still built on (0 = never fall back)."""
 
     continue_from: Literal["champion", "latest"] = "latest"
-    fall_back_after: int = 3
+    fall_back_after: int = 2
 
     def start_version(self, mlflow_uri: str) -> int:
         from ops.deploy import registry
@@ -153,15 +155,16 @@ class PolicyLineage(dg.ConfigurableResource):
         return registry.champion_policy_version(mlflow_uri, policies.REGISTERED_MODEL)[1]
 
     def falls_back(self) -> bool:
-        """With `latest`: the newest policy is the `fall_back_after`-th blocked candidate in a row."""
+        """With `latest`: the newest policy is the `fall_back_after`-th candidate in a row the gate
+        blocked as worse than the champion."""
         from ops.common.paths import home
-        from ops.evaluate.report import blocked_streak
+        from ops.evaluate.report import worse_streak
         from ops.policy import versions as policies
 
         if self.fall_back_after < 0:
             raise ValueError(f"lineage fall_back_after must be >= 0, got {self.fall_back_after}")
         return bool(self.fall_back_after) and self.continue_from == "latest" and (
-            blocked_streak(home().data, policies.latest_version()) >= self.fall_back_after)
+            worse_streak(home().data, policies.latest_version()) >= self.fall_back_after)
 
     def learner_start(self, mlflow_uri: str) -> int | None:
         """The version the learner must start from, or None for its newest checkpoint (the

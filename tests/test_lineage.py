@@ -1,16 +1,20 @@
 """Which policy a cycle builds on (assets/resources.py: PolicyLineage): the newest one, until the
-gate has blocked `fall_back_after` candidates in a row; then the champion."""
+gate has blocked `fall_back_after` candidates in a row as worse than the champion; then the
+champion."""
 
 from __future__ import annotations
 
 import pytest
 
-from ops.evaluate.report import CHAMPION, CYCLE, blocked_streak, cycle_report_path, write_report
+from ops.evaluate.report import CHAMPION, CYCLE, cycle_report_path, worse_streak, write_report
+
+WORSE, NO_GAIN, BETTER = [-0.30, -0.10], [-0.05, 0.04], [0.10, 0.30]
 
 
-def _report(data, cycle: int, candidate: int, passed: bool, kind: str = CYCLE) -> None:
+def _report(data, cycle: int, candidate: int, passed: bool, gain_ci=WORSE, kind: str = CYCLE) -> None:
     write_report(cycle_report_path(data, cycle), {"kind": kind, "cycle": cycle, "candidate_version": candidate,
-                                                 "champion_version": 1, "gate": {"passed": passed}})
+                                                 "champion_version": 1, "gain_ci": gain_ci,
+                                                 "gate": {"passed": passed}})
 
 
 def _export(h, version: int) -> None:
@@ -21,32 +25,38 @@ def _export(h, version: int) -> None:
     (d / "config.json").write_text("{}")
 
 
-def test_blocked_streak_counts_the_newest_blocked_cycles_of_the_newest_policy(tmp_path):
-    assert blocked_streak(tmp_path, 3) == 0  # no report yet
-    _report(tmp_path, 1, 1, passed=True)
-    assert blocked_streak(tmp_path, 1) == 0  # deployed
+def test_worse_streak_counts_the_newest_candidates_blocked_as_worse(tmp_path):
+    assert worse_streak(tmp_path, 3) == 0  # no report yet
+    _report(tmp_path, 1, 1, passed=True, gain_ci=BETTER)
+    assert worse_streak(tmp_path, 1) == 0  # deployed
     for cycle in (2, 3, 10):
         _report(tmp_path, cycle, cycle, passed=False)
-    assert blocked_streak(tmp_path, 10) == 3  # cycles 10, 3, 2 (numeric order, not by name), stopped by cycle 1
-    assert blocked_streak(tmp_path, 3) == 0  # not the newest blocked candidate: something came after it
-    _report(tmp_path, 11, 11, passed=False, kind=CHAMPION)  # not a cycle report: ends the count
-    assert blocked_streak(tmp_path, 11) == 0
+    assert worse_streak(tmp_path, 10) == 3  # cycles 10, 3, 2 (numeric order, not by name), stopped by cycle 1
+    assert worse_streak(tmp_path, 3) == 0  # not the newest candidate: something came after it
+    _report(tmp_path, 11, 11, passed=False, gain_ci=NO_GAIN)  # blocked for no gain: built on
+    assert worse_streak(tmp_path, 11) == 0
+    _report(tmp_path, 12, 12, passed=False, gain_ci=BETTER)  # blocked by a guard family while learning: built on
+    assert worse_streak(tmp_path, 12) == 0
+    _report(tmp_path, 13, 13, passed=False)
+    assert worse_streak(tmp_path, 13) == 1
+    _report(tmp_path, 14, 14, passed=False, kind=CHAMPION)  # not a cycle report: ends the count
+    assert worse_streak(tmp_path, 14) == 0
 
 
-def test_the_latest_lineage_falls_back_after_k_blocked_candidates(perpetua_home, monkeypatch):
+def test_the_latest_lineage_falls_back_after_k_candidates_worse_than_the_champion(perpetua_home, monkeypatch):
     from assets.resources import PolicyLineage
     from ops.common.paths import home
 
     h = home()
     for v in (0, 1, 2, 3):
         _export(h, v)
-    _report(h.data, 1, 1, passed=True)
-    _report(h.data, 2, 2, passed=False)
+    _report(h.data, 1, 1, passed=True, gain_ci=BETTER)
+    _report(h.data, 2, 2, passed=False, gain_ci=NO_GAIN)
     _report(h.data, 3, 3, passed=False)
     lineage = PolicyLineage()
-    assert lineage.fall_back_after == 3 and not lineage.falls_back() and lineage.learner_start("unused") is None
-    assert lineage.start_version("unused") == 3  # two blocked in a row: built on
-    assert PolicyLineage(fall_back_after=2).falls_back()
+    assert lineage.fall_back_after == 2 and not lineage.falls_back() and lineage.learner_start("unused") is None
+    assert lineage.start_version("unused") == 3  # one worse candidate: built on
+    assert PolicyLineage(fall_back_after=1).falls_back()
     assert not PolicyLineage(fall_back_after=0).falls_back()  # never
     _export(h, 4)
     _report(h.data, 4, 4, passed=False)

@@ -105,16 +105,20 @@ def read_cycle_report(data_dir: Path, cycle: int, run_ids: set[str]) -> dict:
     return report
 
 
-def blocked_streak(data_dir: Path, version: int) -> int:
-    """How many cycles in a row, newest first, the gate blocked, when `version` is the newest of
-    those blocked candidates (0 when it is not: a deployed policy, or one no report judged). A
-    cycle without a report (its eval never ran) neither counts nor breaks the streak."""
+def worse_streak(data_dir: Path, version: int) -> int:
+    """How many cycles in a row, newest first, the gate blocked a candidate that was worse than the
+    champion on the deciding set (the gain's confidence interval entirely below 0), when `version`
+    is the newest of those candidates; 0 when it is not (a deployed policy, one no report judged,
+    or one blocked for another reason: no gain, or a guard family's regression while learning
+    another, which the next cycle may repair). A cycle without a report neither counts nor breaks
+    the streak."""
     reports = sorted((p for p in (Path(data_dir) / "eval_report").glob("cycle=*.json")),
                      key=lambda p: int(p.stem.split("=", 1)[1]), reverse=True)
     streak = 0
     for path in reports:
         report = json.loads(path.read_text())
-        if report.get("kind") != CYCLE or (report.get("gate") or {}).get("passed", True):
+        blocked = report.get("kind") == CYCLE and not (report.get("gate") or {}).get("passed", True)
+        if not blocked or not report.get("gain_ci") or report["gain_ci"][1] >= 0:
             break
         if streak == 0 and report.get("candidate_version") != version:
             return 0
