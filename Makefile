@@ -32,8 +32,9 @@ $(SYSTEM_STAMP): Makefile
 	fi
 	touch $(SYSTEM_STAMP)
 
+# DEMO_ARGS passes options through, e.g. make demo DEMO_ARGS="--cycles 8 --summary summary.json"
 demo: setup
-	$(VENV)/bin/perpetua demo
+	$(VENV)/bin/perpetua demo $(DEMO_ARGS)
 
 test: setup
 	$(PY) -m pytest -q
