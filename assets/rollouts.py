@@ -52,7 +52,7 @@ class RolloutsConfig(dg.Config):
     round_feedback: bool = Field(default=True, description="Curriculum: a refill round chooses knowing the earlier "
                                  "rounds of its cycle (their groups, and the cycle's own rates of the families they "
                                  "sampled).")
-    min_refill_yield: float = Field(default=0.0, ge=0, le=1, description="A refill round samples the most of its "
+    min_refill_yield: float = Field(default=0.5, ge=0, le=1, description="A refill round samples the most of its "
                                     "chosen tasks, likeliest first, that promise at least this share of informative "
                                     "groups (by their estimated pass rates); 0 = all of them.")
     rehearsal_tasks: int = Field(default=1024, ge=0, description="Reference solutions of this many unchosen tasks "

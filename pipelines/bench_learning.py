@@ -308,11 +308,11 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                                                   min_refill_yield=0.5, failure_prior=False)),
     "defaults+eval-prior": ("defaults with the curriculum's family rates from the sampling policy's own eval",
                             _rollouts(eval_prior=True)),
-    "defaults+refill-yield": ("defaults, a refill round sampling the most of its tasks that promise half of their "
-                              "groups informative", _rollouts(min_refill_yield=0.5)),
-    "defaults+probe-refill": ("defaults+refill-yield with a first round of 16 groups and up to 4 rounds: a small "
-                              "round on the history's estimates, then refills on the cycle's own",
-                              _rollouts(min_refill_yield=0.5, max_tasks=16, max_rounds=4)),
+    "defaults-no-refill-yield": ("defaults with every refill sampled whole (min_refill_yield 0)",
+                                 _rollouts(min_refill_yield=0.0)),
+    "defaults+probe-refill": ("defaults with a first round of 16 groups and up to 4 rounds: a small round on the "
+                              "history's estimates, then refills on the cycle's own",
+                              _rollouts(max_tasks=16, max_rounds=4)),
     "defaults-build-on-champion": ("defaults with the earlier curriculum, each cycle building on the deployed champion instead of the newest "
                                    "policy (a blocked candidate is set aside)",
                                    {"perpetua_cycle": {"ops": {"rollouts": {"config": EARLIER_CURRICULUM}},
