@@ -24,7 +24,7 @@ from ops.rollout.dynamic import DynamicSamplingConfig, sample_informative
 from ops.rollout.groups import SamplingConfig, rollouts_table
 from ops.tasks.sampling import NoTrainingTasks, new_failure_ids, train_tasks
 
-CODE_VERSION = "rollouts-3"
+CODE_VERSION = "rollouts-4"
 # Seeds of a cycle's later on-policy iterations: the configured seed plus this times (iteration - 1).
 ITERATION_SEED_STRIDE = 1_000_003
 

@@ -47,10 +47,10 @@ PLAIN_LEARNER = {"updates_per_step": 2}
 # against them, so a row means what it meant when it was measured ("earlier-defaults" is them alone).
 EARLIER_TASKS = {"variants_per_failure": 0, "min_replay": 16, "family_floor": 0}
 # The curriculum before it learned from the cycle's own rounds, from its families' groups and from
-# the production failures (the rows measured before these are built on it).
-EARLIER_CURRICULUM = {"round_feedback": False, "group_prior": False, "failure_prior": False}
-EARLIER_ROLLOUTS = {"rehearsal_tasks": 0, "rehearsal_pass_rate": 0.8, "rehearsal_family_share": 0.0,
-                    "min_refill_yield": 0.0} | EARLIER_CURRICULUM
+# the production failures, and sampled every refill whole (the rows measured before are built on it).
+EARLIER_CURRICULUM = {"round_feedback": False, "group_prior": False, "failure_prior": False, "min_refill_yield": 0.0}
+EARLIER_ROLLOUTS = {"rehearsal_tasks": 0, "rehearsal_pass_rate": 0.8,
+                    "rehearsal_family_share": 0.0} | EARLIER_CURRICULUM
 EARLIER_LEARNER = {"supervised_updates": 0, "supervised_batch": None, "rehearsal_updates": "all",
                    "supervised_order": "before", "anchor_solved": False, "anchors_per_group": None}
 EARLIER_LINEAGE = "champion"  # each cycle built on the deployed champion
@@ -282,26 +282,28 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "study-1024-apart": ("study-1024-batched with the rehearsed solutions trained by the supervised updates alone",
                          _study(1024, {"variants_per_failure": 24, "min_replay": 384}, supervised_updates=32,
                                 supervised_batch=32, rehearsal_updates="supervised")),
-    "defaults-eval-prior": ("defaults with the earlier curriculum, built on the champion, with the curriculum's family rates from the sampling "
-                            "policy's own eval (the newest cycle report that scored it) instead of the rollout "
-                            "history", {"perpetua_cycle": {"ops": {"rollouts": {"config": {"eval_prior": True}
+    "defaults-eval-prior": ("defaults with the earlier curriculum, built on the champion, with the curriculum's "
+                            "family rates from the sampling policy's own eval (the newest cycle report that scored "
+                            "it) instead of the rollout history", {"perpetua_cycle": {"ops": {"rollouts": {"config": {"eval_prior": True}
                                                                                            | EARLIER_CURRICULUM}},
                                                            "resources": _lineage("champion")}}),
     "defaults-earlier-curriculum": ("defaults with the curriculum before round feedback, the group prior and the "
                                     "failure prior (EARLIER_CURRICULUM)", _rollouts(**EARLIER_CURRICULUM)),
     "defaults-no-failure-prior": ("defaults without the production failure counted in a harvested task's "
-                                  "estimate", _rollouts(failure_prior=False)),
+                                  "estimate, every refill sampled whole",
+                                  _rollouts(failure_prior=False, min_refill_yield=0.0)),
     "defaults-no-failure-prior+refill-yield": ("defaults-no-failure-prior, a refill round sampled only when its "
                                                "tasks promise half of their groups informative (at the time, a "
                                                "refill fell short whole or was sampled whole)",
                                                _rollouts(failure_prior=False, min_refill_yield=0.5)),
     "defaults-no-group-prior": ("defaults with round feedback alone: an unseen task expected to give signal as "
                                 "its family's mean pass rate predicts for alike tasks, production failures not "
-                                "counted", _rollouts(group_prior=False, failure_prior=False)),
+                                "counted, every refill sampled whole",
+                                _rollouts(group_prior=False, failure_prior=False, min_refill_yield=0.0)),
     "defaults-no-group-prior+eval-prior": ("defaults-no-group-prior with the curriculum's family rates from the "
                                            "sampling policy's own eval",
-                                           _rollouts(group_prior=False, eval_prior=True,
-                                                     failure_prior=False)),
+                                           _rollouts(group_prior=False, eval_prior=True, failure_prior=False,
+                                                     min_refill_yield=0.0)),
     "defaults-no-group-prior+eval-prior+refill-yield": ("defaults-no-group-prior+eval-prior, a refill round sampled "
                                                         "only when its tasks promise half of their groups informative",
                                                         _rollouts(group_prior=False, eval_prior=True,
@@ -313,8 +315,8 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "defaults+probe-refill": ("defaults with a first round of 16 groups and up to 4 rounds: a small round on the "
                               "history's estimates, then refills on the cycle's own",
                               _rollouts(max_tasks=16, max_rounds=4)),
-    "defaults-build-on-champion": ("defaults with the earlier curriculum, each cycle building on the deployed champion instead of the newest "
-                                   "policy (a blocked candidate is set aside)",
+    "defaults-build-on-champion": ("defaults with the earlier curriculum, each cycle building on the deployed "
+                                   "champion instead of the newest policy (a blocked candidate is set aside)",
                                    {"perpetua_cycle": {"ops": {"rollouts": {"config": EARLIER_CURRICULUM}},
                                                        "resources": _lineage("champion")}}),
     "build-on-latest": ("earlier-defaults, each cycle building on the newest policy (blocked or not) instead of the "
