@@ -236,6 +236,13 @@ class TaskChoice:
                 "weight": round(self.weight, 4), "fail_streak": self.fail_streak,
                 "mixed_chance": round(self.mixed_chance, 4), "fail_chance": round(self.fail_chance, 4)}
 
+    def signal_chance(self, guide_after: int, guided_value: float = 1.0) -> float:
+        """P(the group carries signal): its rewards differ, or it fails every sample and guidance
+        writes the solution into it (counted at `guided_value`: 1 for what it yields, the
+        curriculum's `guided_value` for what it is worth next to an uncertain group)."""
+        guided = guided_if_all_fail(self.fail_streak, guide_after)
+        return self.mixed_chance + (guided_value if guided else 0.0) * self.fail_chance
+
 
 def group_chances(task: Task, history: History, cfg: CurriculumConfig, group_size: int) -> tuple[float, float, float]:
     """(estimated pass rate, P(rewards differ), P(all fail)) of the task's next group of
@@ -259,9 +266,10 @@ def score_task(task: Task, history: History, cfg: CurriculumConfig, guide_after:
     an all-fail group that guidance will write the solution into counted at `guided_value`, never
     below `min_weight` (1 for all when the curriculum is off)."""
     p, mixed, fail = group_chances(task, history, cfg, group_size)
-    streak = history.fail_streak(task.task_id)
-    weight = mixed + (cfg.guided_value if guided_if_all_fail(streak, guide_after) else 0.0) * fail
-    return TaskChoice(task, p, max(weight, cfg.min_weight) if cfg.enabled else 1.0, streak, mixed, fail)
+    choice = TaskChoice(task, p, 1.0, history.fail_streak(task.task_id), mixed, fail)
+    if not cfg.enabled:
+        return choice
+    return replace(choice, weight=max(choice.signal_chance(guide_after, cfg.guided_value), cfg.min_weight))
 
 
 def guided_if_all_fail(fail_streak: int, guide_after: int) -> bool:

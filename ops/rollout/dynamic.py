@@ -56,7 +56,7 @@ from typing import Annotated, Callable
 
 from pydantic import BaseModel, Field
 
-from ops.rollout.curriculum import CurriculumConfig, History, TaskChoice, choose_tasks, guided_if_all_fail, with_round
+from ops.rollout.curriculum import CurriculumConfig, History, TaskChoice, choose_tasks, with_round
 from ops.rollout.engine import RolloutEngine
 from ops.rollout.groups import SamplingConfig, generate_groups, reference_rows
 from ops.envs import Environment, get_environment
@@ -270,11 +270,10 @@ def rehearsal_choice(candidates: list[Task], cfg: DynamicSamplingConfig, history
 def promising_share(choices: list[TaskChoice], guide_after: int, min_yield: float) -> list[TaskChoice]:
     """The most of `choices` whose expected yield reaches `min_yield`: the likeliest to give a
     group with signal first (a prefix by chance, so the mean falls as it grows); in task-id order."""
-    chance = {c.task.task_id: expected_yield([c], guide_after) for c in choices}
-    ranked = sorted(choices, key=lambda c: (-chance[c.task.task_id], c.task.task_id))
+    ranked = sorted(choices, key=lambda c: (-c.signal_chance(guide_after), c.task.task_id))
     total, keep = 0.0, 0
     for i, c in enumerate(ranked, 1):
-        total += chance[c.task.task_id]
+        total += c.signal_chance(guide_after)
         if total / i >= min_yield:
             keep = i
     return sorted(ranked[:keep], key=lambda c: c.task.task_id)
@@ -285,8 +284,7 @@ def expected_yield(choices: list[TaskChoice], guide_after: int) -> float:
     group whose rewards differ, or an all-fail group guidance will give its reference solution."""
     if not choices:
         return 0.0
-    return sum(c.mixed_chance + (c.fail_chance if guided_if_all_fail(c.fail_streak, guide_after) else 0.0)
-               for c in choices) / len(choices)
+    return sum(c.signal_chance(guide_after) for c in choices) / len(choices)
 
 
 def _timed(out: DynamicBatch, field_name: str, fn: Callable, *args, **kwargs):
