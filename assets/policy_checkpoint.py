@@ -207,7 +207,7 @@ def policy_checkpoint(
     step = _Step(context, config, pipes_subprocess_client, launcher, learner_cfg, h, cycle)
 
     start = lineage.learner_start(step.uri)
-    if lineage.falls_back():
+    if start is not None and lineage.continue_from == "latest":  # fallen back (PolicyLineage.falls_back)
         context.log.warning(f"the gate blocked the newest policy as worse than the champion, "
                             f"{lineage.fall_back_after} candidates in a row: cycle {cycle} builds on the champion, "
                             f"v{start} (lineage fall_back_after)")

@@ -147,12 +147,10 @@ class PolicyLineage(dg.ConfigurableResource):
     fall_back_after: int = 2
 
     def start_version(self, mlflow_uri: str) -> int:
-        from ops.deploy import registry
         from ops.policy import versions as policies
 
-        if self.continue_from == "latest" and not self.falls_back():
-            return policies.latest_version()
-        return registry.champion_policy_version(mlflow_uri, policies.REGISTERED_MODEL)[1]
+        start = self.learner_start(mlflow_uri)
+        return policies.latest_version() if start is None else start
 
     def falls_back(self) -> bool:
         """With `latest`: the newest policy is the `fall_back_after`-th candidate in a row the gate
@@ -169,9 +167,12 @@ class PolicyLineage(dg.ConfigurableResource):
     def learner_start(self, mlflow_uri: str) -> int | None:
         """The version the learner must start from, or None for its newest checkpoint (the
         `latest` lineage when it does not fall back)."""
+        from ops.deploy import registry
+        from ops.policy import versions as policies
+
         if self.continue_from == "latest" and not self.falls_back():
             return None
-        return self.start_version(mlflow_uri)
+        return registry.champion_policy_version(mlflow_uri, policies.REGISTERED_MODEL)[1]
 
 
 def local_pool(role: str, default_port: int) -> PolicyServer:
