@@ -17,20 +17,24 @@ class NoTrainingTasks(RuntimeError):
 
 def train_tasks(home: Home | None = None) -> list[Task]:
     """Every train-split task of the current task set, ordered by task id."""
+    return [Task.from_dict(r) for r in sorted(_train_rows(home), key=lambda r: r["task_id"])]
+
+
+def new_failure_ids(home: Home | None = None) -> set[str]:
+    """The train tasks of the current task set harvested from this generation's production
+    failures (none without a task set)."""
+    try:
+        return {r["task_id"] for r in _train_rows(home) if r["source"] == "failure"}
+    except NoTrainingTasks:
+        return set()
+
+
+def _train_rows(home: Home | None) -> list[dict]:
+    """The train-split rows of the current task set; NoTrainingTasks when there are none."""
     path = current_training_tasks_path(home)
     if path is None:
         raise NoTrainingTasks("no training tasks yet: materialize training_tasks first")
     rows = [r for r in read_training_tasks(path).to_pylist() if r["split"] == "train"]
     if not rows:
         raise NoTrainingTasks(f"{path} has no train-split tasks")
-    return [Task.from_dict(r) for r in sorted(rows, key=lambda r: r["task_id"])]
-
-
-def new_failure_ids(home: Home | None = None) -> set[str]:
-    """The train tasks of the current task set harvested from this generation's production failures."""
-    path = current_training_tasks_path(home)
-    if path is None:
-        return set()
-    return {r["task_id"] for r in read_training_tasks(path).select(["task_id", "split", "source"]).to_pylist()
-            if r["split"] == "train" and r["source"] == "failure"}
-
+    return rows
