@@ -24,7 +24,7 @@ from ops.rollout.dynamic import DynamicSamplingConfig, sample_informative
 from ops.rollout.groups import SamplingConfig, rollouts_table
 from ops.tasks.sampling import NoTrainingTasks, new_failure_ids, train_tasks
 
-CODE_VERSION = "rollouts-4"
+CODE_VERSION = "rollouts-5"
 # Seeds of a cycle's later on-policy iterations: the configured seed plus this times (iteration - 1).
 ITERATION_SEED_STRIDE = 1_000_003
 
@@ -45,13 +45,18 @@ class RolloutsConfig(dg.Config):
                              "own on the eval sets of the newest cycle report that scored it (else the rollout "
                              "history's), so a family the deployed candidate learned is known to be solved.")
     failure_prior: bool = Field(default=True, description="Curriculum: a task harvested from a new production "
-                                "failure counts that failure as one failed sample of its own.")
+                                "failure, and each variant generated from it, counts that failure as one failed "
+                                "sample of its own.")
     group_prior: bool = Field(default=True, description="Curriculum: a task not seen before is expected to give a "
                               "group with signal as often as its family's recent groups did (not as its family's "
                               "mean pass rate predicts for alike tasks).")
     round_feedback: bool = Field(default=True, description="Curriculum: a refill round chooses knowing the earlier "
                                  "rounds of its cycle (their groups, and the cycle's own rates of the families they "
                                  "sampled).")
+    forget_trained: bool = Field(default=True, description="Curriculum: a task whose reference solution a cycle "
+                                 "trained on (guided or rehearsed) starts a new record after that cycle.")
+    greedy: bool = Field(default=True, description="Curriculum: take the tasks likeliest to teach first (equal "
+                         "ones in a seeded random order) instead of a weighted random sample.")
     min_refill_yield: float = Field(default=0.5, ge=0, le=1, description="A refill round samples the most of its "
                                     "chosen tasks, likeliest first, that promise at least this share of informative "
                                     "groups (by their estimated pass rates); 0 = all of them.")
@@ -97,7 +102,8 @@ def dynamic_config(config: RolloutsConfig) -> DynamicSamplingConfig:
         rehearsal_family_share=config.rehearsal_family_share,
         curriculum=CurriculumConfig(enabled=config.curriculum, min_weight=config.replay_weight,
                                     eval_prior=config.eval_prior, round_feedback=config.round_feedback,
-                                    group_prior=config.group_prior, failure_prior=config.failure_prior))
+                                    group_prior=config.group_prior, failure_prior=config.failure_prior,
+                                    forget_trained=config.forget_trained, greedy=config.greedy))
 
 
 def sample_iteration(context, config: RolloutsConfig, trainer_server: PolicyServer, mlflow: MlflowTracking,
@@ -119,7 +125,8 @@ def sample_iteration(context, config: RolloutsConfig, trainer_server: PolicyServ
         context.log.info(f"max_tokens {config.max_tokens} raised to {max_tokens}: {env.name}'s solutions need it")
     sampling = SamplingConfig(group_size=config.group_size, temperature=config.temperature, top_p=config.top_p,
                               max_tokens=max_tokens, seed=config.seed + ITERATION_SEED_STRIDE * (iteration - 1))
-    history = read_history(data, cycle, dynamic.curriculum.history_cycles, current_iterations=iteration - 1)
+    history = read_history(data, cycle, dynamic.curriculum.history_cycles, current_iterations=iteration - 1,
+                           forget_trained=dynamic.curriculum.forget_trained)
     if dynamic.curriculum.eval_prior:
         history = with_evaluated_families(history, data, version, cycle)
     if dynamic.curriculum.failure_prior:

@@ -48,7 +48,8 @@ PLAIN_LEARNER = {"updates_per_step": 2}
 EARLIER_TASKS = {"variants_per_failure": 0, "min_replay": 16, "family_floor": 0}
 # The curriculum before it learned from the cycle's own rounds, from its families' groups and from
 # the production failures, and sampled every refill whole (the rows measured before are built on it).
-EARLIER_CURRICULUM = {"round_feedback": False, "group_prior": False, "failure_prior": False, "min_refill_yield": 0.0}
+EARLIER_CURRICULUM = {"round_feedback": False, "group_prior": False, "failure_prior": False, "min_refill_yield": 0.0,
+                      "forget_trained": False, "greedy": False}
 EARLIER_ROLLOUTS = {"rehearsal_tasks": 0, "rehearsal_pass_rate": 0.8,
                     "rehearsal_family_share": 0.0} | EARLIER_CURRICULUM
 EARLIER_LEARNER = {"supervised_updates": 0, "supervised_batch": None, "rehearsal_updates": "all",
@@ -315,6 +316,12 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "defaults+probe-refill": ("defaults with a first round of 16 groups and up to 4 rounds: a small round on the "
                               "history's estimates, then refills on the cycle's own",
                               _rollouts(max_tasks=16, max_rounds=4)),
+    "defaults-weighted": ("defaults with the first round's tasks a weighted random sample (not the likeliest first)",
+                          _rollouts(greedy=False)),
+    "defaults-no-forget-trained": ("defaults with a guided or rehearsed task's earlier failures kept on its record",
+                                   _rollouts(forget_trained=False)),
+    "defaults-weighted-no-forget-trained": ("defaults-weighted with a guided or rehearsed task's earlier failures "
+                                            "kept on its record", _rollouts(greedy=False, forget_trained=False)),
     "defaults-build-on-champion": ("defaults with the earlier curriculum, each cycle building on the deployed "
                                    "champion instead of the newest policy (a blocked candidate is set aside)",
                                    {"perpetua_cycle": {"ops": {"rollouts": {"config": EARLIER_CURRICULUM}},

@@ -147,7 +147,7 @@ def test_variants_widen_each_new_failure_within_the_train_split(perpetua_home):
     failures_in = generate_tasks("mod", 30, seed=5)
     land_failures(failures_in)
     plain = build_training_tasks(read_failures())
-    wide = build_training_tasks(read_failures(), settings=TrainingTaskConfig(variants_per_failure=3))
+    wide, _ = build_and_write_training_tasks(read_failures(), TrainingTaskConfig(variants_per_failure=3))
     rows = wide.table.to_pylist()
     new = [r for r in rows if r["source"] == "failure" and r["split"] == "train"]
     variants = [r for r in rows if r["source"] == "variant"]
@@ -162,6 +162,10 @@ def test_variants_widen_each_new_failure_within_the_train_split(perpetua_home):
         plain.counts["replay_bootstrap"] + plain.counts["replay_previous"])
     assert [r for r in rows if r["source"] != "variant"] == plain.table.to_pylist()
     assert build_training_tasks(read_failures(), settings=TrainingTaskConfig(variants_per_failure=3)).data_version == wide.data_version
+    from ops.tasks.sampling import new_failure_ids
+
+    # the rollouts' failure prior counts each new failure's variants too: the same gap, widened
+    assert new_failure_ids() == {r["task_id"] for r in new + variants}
 
 
 def test_failures_of_a_set_no_learner_trained_on_stay_new(perpetua_home):
