@@ -111,6 +111,11 @@ def test_history_and_curriculum_weights(tmp_path, tokenizer, screen):
     assert history.families["mul"].passes == 0 and history.families["mul"].attempts == 32  # references not counted
     assert {history.fail_streak(t.task_id) for t in MUL[:4]} == {1} and history.fail_streak(ADD[0].task_id) == 0
     assert read_history(tmp_path, before_cycle=1, cycles=4).cycles == ()
+    # The step trained on the guided tasks' solutions: with forget_trained their records start over
+    # (their failures were the older policy's); their groups still count for the family.
+    fresh = read_history(tmp_path, before_cycle=2, cycles=4, forget_trained=True)
+    assert not {t.task_id for t in MUL[:4]} & fresh.tasks.keys() and fresh.fail_streak(MUL[0].task_id) == 0
+    assert {t.task_id for t in ADD[:4]} <= fresh.tasks.keys() and fresh.families == history.families
     cfg = CurriculumConfig()
     seen_add, unseen_add, hard_mul, unseen_mul = ADD[0], ADD[10], MUL[0], MUL[10]
     rate = lambda t: history.pass_rate(t, cfg.prior_strength)  # noqa: E731
@@ -130,6 +135,28 @@ def test_history_and_curriculum_weights(tmp_path, tokenizer, screen):
     assert unguided[hard_mul.task_id] < weight[hard_mul.task_id] / 2  # without guidance a never-solved task teaches little
     uniform = choose_tasks(POOL, 8, history, CurriculumConfig(enabled=False), guide_after=1, group_size=8, seed="s")
     assert {c.weight for c in uniform} == {1.0}
+
+
+def test_greedy_choice_takes_the_largest_weights_ties_in_a_seeded_order():
+    """Greedy: the k tasks likeliest to teach, whatever the many alike ones weigh together; the
+    unseen tasks of one family tie, and the seed orders them. A weighted sample of the same pool
+    mostly takes the many."""
+    failing = {t.task_id: TaskRecord(attempts=8, passes=4, groups=1, mixed=1) for t in MUL[:4]}  # half pass
+    history = History(failing, {"add": TaskRecord(attempts=80, passes=60, groups=10, mixed=5),
+                                "mul": TaskRecord(attempts=80, passes=60, groups=10, mixed=5)}, (1,))
+    pool = POOL
+    greedy = choose_tasks(pool, 6, history, CurriculumConfig(), guide_after=1, group_size=8, seed="a")
+    everything = choose_tasks(pool, len(pool), history, CurriculumConfig(), guide_after=1, group_size=8, seed="a")
+    chosen = {c.task.task_id for c in greedy}
+    assert {t.task_id for t in MUL[:4]} <= chosen  # the half-passing tasks first
+    assert min(c.weight for c in greedy) >= max(c.weight for c in everything if c.task.task_id not in chosen)
+    assert greedy == choose_tasks(pool, 6, history, CurriculumConfig(), guide_after=1, group_size=8, seed="a")
+    others = {frozenset(c.task.task_id for c in choose_tasks(pool, 6, history, CurriculumConfig(), guide_after=1,
+                                                               group_size=8, seed=s)) for s in "bcdefg"}
+    assert len(others | {frozenset(chosen)}) > 1  # the two tied places go to different unseen tasks by seed
+    weighted = [choose_tasks(pool, 6, history, CurriculumConfig(greedy=False), guide_after=1, group_size=8, seed=s)
+                for s in "abcdefgh"]
+    assert sum(len({t.task_id for t in MUL[:4]} & {c.task.task_id for c in w}) for w in weighted) < 8 * 4
 
 
 def test_history_counts_every_on_policy_iteration(tmp_path, tokenizer, screen):
