@@ -48,8 +48,11 @@ PLAIN_LEARNER = {"updates_per_step": 2}
 EARLIER_TASKS = {"variants_per_failure": 0, "min_replay": 16, "family_floor": 0}
 # The curriculum before it learned from the cycle's own rounds, from its families' groups and from
 # the production failures, and sampled every refill whole (the rows measured before are built on it).
-EARLIER_CURRICULUM = {"round_feedback": False, "group_prior": False, "failure_prior": False, "min_refill_yield": 0.0,
-                      "forget_trained": False, "greedy": False}
+# the curriculum of a weighted sample: before the greedy choice, forget_trained, the eval prior on by
+# default and the first round's yield cut (the rows measured with it carry it, so they keep their meaning)
+WEIGHTED_CURRICULUM = {"greedy": False, "forget_trained": False, "eval_prior": False, "first_round_yield": 0.0}
+EARLIER_CURRICULUM = {"round_feedback": False, "group_prior": False, "failure_prior": False,
+                      "min_refill_yield": 0.0} | WEIGHTED_CURRICULUM
 EARLIER_ROLLOUTS = {"rehearsal_tasks": 0, "rehearsal_pass_rate": 0.8,
                     "rehearsal_family_share": 0.0} | EARLIER_CURRICULUM
 EARLIER_LEARNER = {"supervised_updates": 0, "supervised_batch": None, "rehearsal_updates": "all",
@@ -73,6 +76,12 @@ def _cycle_config(rollouts: dict | None = None, learner: dict | None = None, tas
 def _rollouts(**fields) -> dict:
     """The defaults with the given rollouts settings changed (nothing else)."""
     return {"perpetua_cycle": {"ops": {"rollouts": {"config": fields}}}}
+
+
+def _weighted(**fields) -> dict:
+    """The defaults with the curriculum of a weighted sample (WEIGHTED_CURRICULUM) and the given
+    rollouts settings changed."""
+    return _rollouts(**(WEIGHTED_CURRICULUM | fields))
 
 
 def _overrides(**fields) -> dict:
@@ -285,43 +294,48 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                 supervised_batch=32, rehearsal_updates="supervised")),
     "defaults-eval-prior": ("defaults with the earlier curriculum, built on the champion, with the curriculum's "
                             "family rates from the sampling policy's own eval (the newest cycle report that scored "
-                            "it) instead of the rollout history", {"perpetua_cycle": {"ops": {"rollouts": {"config": {"eval_prior": True}
-                                                                                           | EARLIER_CURRICULUM}},
+                            "it) instead of the rollout history", {"perpetua_cycle": {"ops": {"rollouts": {"config": EARLIER_CURRICULUM
+                                                                                           | {"eval_prior": True}}},
                                                            "resources": _lineage("champion")}}),
     "defaults-earlier-curriculum": ("defaults with the curriculum before round feedback, the group prior and the "
                                     "failure prior (EARLIER_CURRICULUM)", _rollouts(**EARLIER_CURRICULUM)),
-    "defaults-no-failure-prior": ("defaults without the production failure counted in a harvested task's "
+    "defaults-no-failure-prior": ("defaults-weighted-curriculum without the production failure counted in a harvested task's "
                                   "estimate, every refill sampled whole",
-                                  _rollouts(failure_prior=False, min_refill_yield=0.0)),
+                                  _weighted(failure_prior=False, min_refill_yield=0.0)),
     "defaults-no-failure-prior+refill-yield": ("defaults-no-failure-prior, a refill round sampled only when its "
                                                "tasks promise half of their groups informative (at the time, a "
                                                "refill fell short whole or was sampled whole)",
-                                               _rollouts(failure_prior=False, min_refill_yield=0.5)),
-    "defaults-no-group-prior": ("defaults with round feedback alone: an unseen task expected to give signal as "
+                                               _weighted(failure_prior=False, min_refill_yield=0.5)),
+    "defaults-no-group-prior": ("defaults-weighted-curriculum with round feedback alone: an unseen task expected to give signal as "
                                 "its family's mean pass rate predicts for alike tasks, production failures not "
                                 "counted, every refill sampled whole",
-                                _rollouts(group_prior=False, failure_prior=False, min_refill_yield=0.0)),
+                                _weighted(group_prior=False, failure_prior=False, min_refill_yield=0.0)),
     "defaults-no-group-prior+eval-prior": ("defaults-no-group-prior with the curriculum's family rates from the "
                                            "sampling policy's own eval",
-                                           _rollouts(group_prior=False, eval_prior=True, failure_prior=False,
+                                           _weighted(group_prior=False, eval_prior=True, failure_prior=False,
                                                      min_refill_yield=0.0)),
     "defaults-no-group-prior+eval-prior+refill-yield": ("defaults-no-group-prior+eval-prior, a refill round sampled "
                                                         "only when its tasks promise half of their groups informative",
-                                                        _rollouts(group_prior=False, eval_prior=True,
+                                                        _weighted(group_prior=False, eval_prior=True,
                                                                   min_refill_yield=0.5, failure_prior=False)),
-    "defaults+eval-prior": ("defaults with the curriculum's family rates from the sampling policy's own eval",
-                            _rollouts(eval_prior=True)),
-    "defaults-no-refill-yield": ("defaults with every refill sampled whole (min_refill_yield 0)",
-                                 _rollouts(min_refill_yield=0.0)),
-    "defaults+probe-refill": ("defaults with a first round of 16 groups and up to 4 rounds: a small round on the "
+    "defaults+eval-prior": ("defaults-weighted-curriculum with the curriculum's family rates from the sampling policy's own eval",
+                            _weighted(eval_prior=True)),
+    "defaults-no-refill-yield": ("defaults-weighted-curriculum with every refill sampled whole (min_refill_yield 0)",
+                                 _weighted(min_refill_yield=0.0)),
+    "defaults+probe-refill": ("defaults-weighted-curriculum with a first round of 16 groups and up to 4 rounds: a small round on the "
                               "history's estimates, then refills on the cycle's own",
-                              _rollouts(max_tasks=16, max_rounds=4)),
-    "defaults-weighted": ("defaults with the first round's tasks a weighted random sample (not the likeliest first)",
+                              _weighted(max_tasks=16, max_rounds=4)),
+    "defaults-weighted-curriculum": ("defaults with the curriculum of a weighted sample (WEIGHTED_CURRICULUM): no "
+                                     "greedy choice, no forget_trained, no eval prior, every first round sampled whole",
+                                     _weighted()),
+    "defaults-weighted": ("defaults with each round's tasks a weighted random sample (not the likeliest first)",
                           _rollouts(greedy=False)),
     "defaults-no-forget-trained": ("defaults with a guided or rehearsed task's earlier failures kept on its record",
                                    _rollouts(forget_trained=False)),
-    "defaults-weighted-no-forget-trained": ("defaults-weighted with a guided or rehearsed task's earlier failures "
-                                            "kept on its record", _rollouts(greedy=False, forget_trained=False)),
+    "defaults-no-eval-prior": ("defaults with the family rates and group shares of the rollout history instead of "
+                               "the sampling policy's own eval", _rollouts(eval_prior=False)),
+    "defaults-no-first-round-yield": ("defaults with every first round sampled whole (max_tasks groups)",
+                                      _rollouts(first_round_yield=0.0)),
     "defaults-build-on-champion": ("defaults with the earlier curriculum, each cycle building on the deployed "
                                    "champion instead of the newest policy (a blocked candidate is set aside)",
                                    {"perpetua_cycle": {"ops": {"rollouts": {"config": EARLIER_CURRICULUM}},

@@ -263,12 +263,14 @@ def test_eval_prior_gives_a_family_the_rate_the_sampling_policy_scored(tmp_path)
     from ops.evaluate.report import cycle_report_path, write_report
     from ops.rollout.curriculum import with_evaluated_families
 
-    history = History({}, {"mul_words": TaskRecord(40, 2), "sub_words": TaskRecord(40, 38)}, (1, 2))
+    history = History({}, {"mul_words": TaskRecord(40, 2, groups=5, mixed=1, all_fail=4),
+                           "sub_words": TaskRecord(40, 38)}, (1, 2))
     scored = {"deciding": {"per_family": {"mul_words": {"n": 20, "successes": 19}, "add": {"n": 2, "successes": 2}}},
               "guard": {"per_family": {"add": {"n": 30, "successes": 29}}}}
     write_report(cycle_report_path(tmp_path, 2), {"kind": "cycle", "cycle": 2, "candidate_version": 2,
                                                   "champion_version": 1, "candidate": scored, "champion": {}})
     fresh = with_evaluated_families(history, tmp_path, version=2, before_cycle=3)
+    # the eval's rate and no group shares (the history's are an older policy's)
     assert fresh.families["mul_words"] == TaskRecord(20, 19) and fresh.families["add"] == TaskRecord(32, 31)
     assert fresh.families["sub_words"] == history.families["sub_words"]  # not scored there: the history's
     task = task_world.generate_tasks("mul_words", 1, seed=3)[0]
@@ -405,6 +407,30 @@ def test_a_refill_samples_the_most_of_its_tasks_that_keep_the_promise():
     assert [c.task for c in kept] == sorted([ADD[0], ADD[1], ADD[3]], key=lambda t: t.task_id)
     assert promising_share(choices, guide_after=1, min_yield=0.95) == []
     assert len(promising_share(choices, guide_after=1, min_yield=0.4)) == 4
+    top_two = sorted([ADD[1], ADD[3]], key=lambda t: t.task_id)
+    assert [c.task for c in promising_share(choices, guide_after=1, min_yield=0.95, at_least=2)] == top_two
+    assert len(promising_share(choices, guide_after=1, min_yield=0.5, at_least=2)) == 3  # the floor only raises
     failing = [TaskChoice(MUL[0], 0.05, 1.0, 3, 0.3, 0.6)]
     assert promising_share(failing, guide_after=1, min_yield=0.5) == failing
     assert promising_share(failing, guide_after=0, min_yield=0.5) == []
+
+
+def test_the_first_round_samples_only_what_promises_the_yield(tokenizer, screen):
+    """Three products the policy solves half the time, every other task of a family it solves: the
+    first round of 12 (groups of 4) keeps the three and one other (4 groups promise 67%, 5 would
+    promise 54%), at least `min_first_round`; with first_round_yield 0 it samples all 12."""
+    uncertain = {t.task_id: TaskRecord(attempts=8, passes=4, groups=1, mixed=1) for t in MUL[:3]}
+    history = History(uncertain, {"add": TaskRecord(80, 80), "mul": TaskRecord(80, 80)}, (1,))
+    engine = ScriptedEngine(tokenizer, add_only)
+
+    def first_round(**fields) -> list[str]:
+        cfg = DynamicSamplingConfig(max_tasks=12, min_informative_groups=0, max_rounds=1, guide_after=1, **fields)
+        batch = sample_informative(engine, tokenizer, POOL, history, cfg, SamplingConfig(group_size=4), screen,
+                                   cycle=3, version=3)
+        assert [r.round for r in batch.rounds] == [0]
+        return sorted({r["task_id"] for r in batch.rows})
+
+    cut = first_round(first_round_yield=0.6, min_first_round=2)
+    assert len(cut) == 4 and {t.task_id for t in MUL[:3]} <= set(cut)
+    assert len(first_round(first_round_yield=0.0)) == 12
+    assert len(first_round(first_round_yield=0.99, min_first_round=4)) == 4  # the floor

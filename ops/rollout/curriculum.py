@@ -24,9 +24,8 @@ project already knows of each task, read from the stored rollouts and rewards of
   gave. With `group_prior`, a task the history has not seen takes its family's observed shares
   of groups whose rewards differed and of all-fail groups (`group_chances`), shrunk toward what
   the pass rate predicts;
-- a task harvested from a new production failure, or generated as a variant of one (with
-  `failure_prior`), counts that failure as one failed sample of its own
-  (`with_production_failures`): the policy does not always solve it;
+- a task harvested from a new production failure (with `failure_prior`) counts that failure as
+  one failed sample of its own (`with_production_failures`): the policy does not always solve it;
 - a task whose reference solution a cycle trained on (with `forget_trained`) starts a new record
   after that cycle: the failures that got it guided or rehearsed were the older policy's;
 - within a cycle, with `round_feedback`, a refill round (ops/rollout/dynamic.py) chooses knowing
@@ -73,8 +72,8 @@ class CurriculumConfig(BaseModel):
                     "with differing rewards and of all-fail groups, not what the family's mean pass rate predicts")
     ] = True
     failure_prior: Annotated[
-        bool, Field(description="A task harvested from a new production failure, or a variant generated from one, "
-                    "counts one failed sample (the deployed policy's) in its estimate")
+        bool, Field(description="A task harvested from a new production failure counts one failed sample "
+                    "(the deployed policy's) in its estimate")
     ] = True
     eval_prior: Annotated[
         bool, Field(description="A family's rate is the sampling policy's own per-family pass rate on the eval sets "
@@ -215,9 +214,11 @@ def with_production_failures(history: History, task_ids: set[str]) -> History:
 def with_evaluated_families(history: History, data_dir: Path, version: int, before_cycle: int) -> History:
     """`history` with the family rates of policy `version` as the newest cycle report before
     `before_cycle` that scored it (as candidate or champion) measured them: passes and tasks per
-    family over its deciding and guard sets (one sample per task). Families that report did not
-    score, and a policy no report scored (the base policy in cycle 1, a later on-policy
-    iteration's weights), keep the rollout history's rates."""
+    family over its deciding and guard sets (one sample per task), and no group shares. Families
+    that report did not score, and a policy no report scored (the base policy in cycle 1, a later
+    on-policy iteration's weights), keep the rollout history's records. A family no cycle of the
+    history sampled would otherwise count as unknown (rate 0.5, the most promising of all): a
+    greedy choice then spent a whole first round on bootstrap families the policy solves."""
     from ops.evaluate.report import CYCLE, cycle_report_path
 
     for cycle in range(before_cycle - 1, 0, -1):
@@ -235,9 +236,11 @@ def with_evaluated_families(history: History, data_dir: Path, version: int, befo
             for family, score in (report.get(who, {}).get(name) or {}).get("per_family", {}).items():
                 evaluated[family][0] += int(score["n"])
                 evaluated[family][1] += int(score["successes"])
-        # the rate is the eval's; the counts of groups (one sample per eval task, so none there) the history's
-        families.update({family: replace(families.get(family, TaskRecord()), attempts=n, passes=k)
-                         for family, (n, k) in evaluated.items()})
+        # The rate is the eval's, and no group shares: the history's are the older policies', on
+        # tasks chosen for failing (an eval scores one sample of each held-out task, so none there).
+        # An unseen task of the family is then expected what alike tasks at that rate would give,
+        # an upper bound on a mixed family's share of groups with differing rewards.
+        families.update({family: TaskRecord(attempts=n, passes=k) for family, (n, k) in evaluated.items()})
         return replace(history, families=families)
     return history
 

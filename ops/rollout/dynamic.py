@@ -20,6 +20,9 @@ it carries signal:
               whose expected share of groups with signal (`expected_yield`, by their estimated
               pass rates) reaches it, the likeliest first, and none when even the likeliest
               falls short: a refill of mostly all-pass groups costs generation and teaches little.
+              With `first_round_yield` the first round is cut the same way (never below
+              `min_first_round` groups): in a cycle with little left to learn it samples the few
+              tasks the policy still fails instead of `max_tasks` groups that all pass.
 
     rehearsal: after the rounds, `rehearsal_tasks` tasks of solved families that no round chose
               (the bootstrap families the base policy was fine-tuned on, and families the
@@ -87,6 +90,14 @@ class DynamicSamplingConfig(BaseModel):
                      "likeliest first, whose expected share of groups with signal (by their estimated pass rates, "
                      "guidance counted) reaches this; 0 = all of them")
     ] = 0.0
+    first_round_yield: Annotated[
+        float, Field(ge=0, le=1, description="The first round, too, samples only the most of its chosen tasks, the "
+                     "likeliest first, whose expected share of groups with signal reaches this (and at least "
+                     "min_first_round); 0 = all max_tasks of them")
+    ] = 0.0
+    min_first_round: Annotated[
+        int, Field(ge=1, description="Groups the first round samples at least under first_round_yield")
+    ] = 8
     rehearsal_tasks: Annotated[
         int, Field(ge=0, description="Reference solutions of this many unchosen tasks of solved families added as "
                    "supervised rows of their own (source 'rehearsal'); 0 = none")
@@ -179,17 +190,18 @@ def sample_informative(
         choices = choose_tasks(list(remaining.values()), want, choosing, cfg.curriculum, guide_after=cfg.guide_after,
                                group_size=sampling.group_size, seed=f"rollout-tasks:{cycle}:{rnd}" if iteration == 1
                                else f"rollout-tasks:{cycle}.{iteration}:{rnd}")
-        if rnd and cfg.curriculum.enabled and cfg.min_refill_yield:
-            promising = promising_share(choices, cfg.guide_after, cfg.min_refill_yield)
+        min_yield, setting = (cfg.min_refill_yield, "min_refill_yield") if rnd else (cfg.first_round_yield,
+                                                                                    "first_round_yield")
+        if cfg.curriculum.enabled and min_yield:
+            promising = promising_share(choices, cfg.guide_after, min_yield, at_least=0 if rnd else cfg.min_first_round)
             if not promising:
                 out.exhausted = "low_yield"
                 log(f"round {rnd}: not sampled, none of its {len(choices)} tasks promises a group with signal "
-                    f"at min_refill_yield {cfg.min_refill_yield:.0%}")
+                    f"at {setting} {min_yield:.0%}")
                 break
             if len(promising) < len(choices):
                 log(f"round {rnd}: {len(promising)} of its {len(choices)} chosen tasks sampled, the most promising, "
-                    f"expected {expected_yield(promising, cfg.guide_after):.0%} informative "
-                    f"(min_refill_yield {cfg.min_refill_yield:.0%})")
+                    f"expected {expected_yield(promising, cfg.guide_after):.0%} informative ({setting} {min_yield:.0%})")
             choices = promising
         tasks = [c.task for c in choices]
         for t in tasks:
@@ -267,15 +279,17 @@ def rehearsal_choice(candidates: list[Task], cfg: DynamicSamplingConfig, history
     return sorted(chosen, key=lambda t: t.task_id)
 
 
-def promising_share(choices: list[TaskChoice], guide_after: int, min_yield: float) -> list[TaskChoice]:
-    """The most of `choices` whose expected yield reaches `min_yield`: the likeliest to give a
-    group with signal first (a prefix by chance, so the mean falls as it grows); in task-id order."""
+def promising_share(choices: list[TaskChoice], guide_after: int, min_yield: float,
+                    at_least: int = 0) -> list[TaskChoice]:
+    """The most of `choices` whose expected yield reaches `min_yield`, and never fewer than
+    `at_least`: the likeliest to give a group with signal first (a prefix by chance, so the mean
+    falls as it grows); in task-id order."""
     ranked = sorted(choices, key=lambda c: (-c.signal_chance(guide_after), c.task.task_id))
-    total, keep = 0.0, 0
+    total, keep = 0.0, min(at_least, len(ranked))
     for i, c in enumerate(ranked, 1):
         total += c.signal_chance(guide_after)
         if total / i >= min_yield:
-            keep = i
+            keep = max(keep, i)
     return sorted(ranked[:keep], key=lambda c: c.task.task_id)
 
 
