@@ -7,6 +7,8 @@ are all-pass (no signal) and `mul` groups all-fail (no signal unless guided).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ops.common.tables import REWARDS, ROLLOUTS, write_table
@@ -273,6 +275,7 @@ def test_eval_prior_gives_a_family_the_rate_the_sampling_policy_scored(tmp_path)
     # the eval's rate and no group shares (the history's are an older policy's)
     assert fresh.families["mul_words"] == TaskRecord(20, 19) and fresh.families["add"] == TaskRecord(32, 31)
     assert fresh.families["sub_words"] == history.families["sub_words"]  # not scored there: the history's
+    assert fresh.evaluated == {"mul_words", "add"}
     task = task_world.generate_tasks("mul_words", 1, seed=3)[0]
     cfg = CurriculumConfig(eval_prior=True)
     (before,) = choose_tasks([task], 1, history, cfg, guide_after=1, group_size=8, seed="s")
@@ -347,6 +350,10 @@ def test_with_round_adds_the_policy_groups_and_sets_the_cycle_rates(tokenizer, s
     assert later.families["add"] == TaskRecord(7, 7, groups=2)
     assert later.families["mul"] == TaskRecord(4, 0, 1, groups=1, all_fail=1)
     assert after.families["mul"] == TaskRecord(40, 40)  # the earlier round's view is not changed by the later one
+    # A family whose rate is the sampling policy's eval keeps it: the rounds drew its likeliest failures.
+    scored = replace(history, evaluated=frozenset({"add"}))
+    kept = with_round(scored, rows, rewards, {})
+    assert kept.families["add"] == TaskRecord(40, 4) and kept.tasks[ADD[1].task_id] == TaskRecord(4, 4, 0, groups=1)
 
 
 def test_group_prior_expects_of_unseen_tasks_what_their_family_groups_gave():

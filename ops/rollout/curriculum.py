@@ -119,6 +119,7 @@ class History:
     tasks: dict[str, TaskRecord]
     families: dict[str, TaskRecord]
     cycles: tuple[int, ...]
+    evaluated: frozenset[str] = frozenset()  # families whose record is the sampling policy's eval
 
     def family_rate(self, family: str) -> float:
         rec = self.families.get(family)
@@ -192,11 +193,14 @@ def with_round(history: History, rows: list[dict], rewards: list[float | None],
     cycle (`this_cycle`, updated in place) replaced by this cycle's own samples. The history
     mixes earlier cycles' policies; the rounds are the sampling policy's own, so a family it
     solves now stops drawing refill rounds of all-pass groups, and one it has forgotten is
-    sampled again."""
+    sampled again. A family whose rate is already the sampling policy's eval keeps it: the
+    rounds sampled its likeliest failures, not a fair draw of it (measured: a first round's 4
+    failing `mul` groups set the family's rate, and the refill drew 54 `mul` groups, 8 with
+    signal)."""
     tasks = {k: replace(v) for k, v in history.tasks.items()}
     _add_groups(tasks, this_cycle, list(zip(rows, rewards)))
-    return replace(history, tasks=tasks,
-                   families=history.families | {k: replace(v) for k, v in this_cycle.items()})
+    return replace(history, tasks=tasks, families=history.families | {
+        k: replace(v) for k, v in this_cycle.items() if k not in history.evaluated})
 
 
 def with_production_failures(history: History, task_ids: set[str]) -> History:
@@ -241,7 +245,7 @@ def with_evaluated_families(history: History, data_dir: Path, version: int, befo
         # An unseen task of the family is then expected what alike tasks at that rate would give,
         # an upper bound on a mixed family's share of groups with differing rewards.
         families.update({family: TaskRecord(attempts=n, passes=k) for family, (n, k) in evaluated.items()})
-        return replace(history, families=families)
+        return replace(history, families=families, evaluated=history.evaluated | frozenset(evaluated))
     return history
 
 
