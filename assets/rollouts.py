@@ -41,18 +41,19 @@ class RolloutsConfig(dg.Config):
     curriculum: bool = Field(default=True, description="Weight tasks by estimated pass rate (False = uniform).")
     replay_weight: float = Field(default=0.05, gt=0, le=1, description="Curriculum weight floor: how often a solved "
                                  "task is replayed next to an uncertain one (weight up to 1).")
-    eval_prior: bool = Field(default=True, description="Curriculum: a family's pass rate is the sampling policy's "
+    eval_prior: bool = Field(default=False, description="Curriculum: a family's pass rate is the sampling policy's "
                              "own on the eval sets of the newest cycle report that scored it (else the rollout "
                              "history's), so a family the deployed candidate learned is known to be solved.")
     failure_prior: bool = Field(default=True, description="Curriculum: a task harvested from a new production "
-                                "failure counts that failure as one failed sample of its own.")
+                                "failure, and each variant generated from it, counts that failure as one failed "
+                                "sample of its own.")
     group_prior: bool = Field(default=True, description="Curriculum: a task not seen before is expected to give a "
                               "group with signal as often as its family's recent groups did (not as its family's "
                               "mean pass rate predicts for alike tasks).")
     round_feedback: bool = Field(default=True, description="Curriculum: a refill round chooses knowing the earlier "
                                  "rounds of its cycle (their groups, and the cycle's own rates of the families they "
                                  "sampled).")
-    first_round_yield: float = Field(default=0.6, ge=0, le=1, description="The first round, too, samples only the "
+    first_round_yield: float = Field(default=0.0, ge=0, le=1, description="The first round, too, samples only the "
                                      "most of its chosen tasks, likeliest first, that promise this share of "
                                      "informative groups (at least min_first_round groups); 0 = all max_tasks.")
     min_first_round: int = Field(default=8, ge=1, description="Groups the first round samples at least under "

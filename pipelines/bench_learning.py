@@ -48,8 +48,8 @@ PLAIN_LEARNER = {"updates_per_step": 2}
 EARLIER_TASKS = {"variants_per_failure": 0, "min_replay": 16, "family_floor": 0}
 # The curriculum before it learned from the cycle's own rounds, from its families' groups and from
 # the production failures, and sampled every refill whole (the rows measured before are built on it).
-# the curriculum of a weighted sample: before the greedy choice, forget_trained, the eval prior on by
-# default and the first round's yield cut (the rows measured with it carry it, so they keep their meaning)
+# the curriculum of a weighted sample, before the greedy choice and forget_trained (the rows measured
+# with it carry it, so they keep their meaning; they also counted new failures without their variants)
 WEIGHTED_CURRICULUM = {"greedy": False, "forget_trained": False, "eval_prior": False, "first_round_yield": 0.0}
 EARLIER_CURRICULUM = {"round_feedback": False, "group_prior": False, "failure_prior": False,
                       "min_refill_yield": 0.0} | WEIGHTED_CURRICULUM
@@ -332,10 +332,10 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                           _rollouts(greedy=False)),
     "defaults-no-forget-trained": ("defaults with a guided or rehearsed task's earlier failures kept on its record",
                                    _rollouts(forget_trained=False)),
-    "defaults-no-eval-prior": ("defaults with the family rates and group shares of the rollout history instead of "
-                               "the sampling policy's own eval", _rollouts(eval_prior=False)),
-    "defaults-no-first-round-yield": ("defaults with every first round sampled whole (max_tasks groups)",
-                                      _rollouts(first_round_yield=0.0)),
+    "defaults+eval-prior+first-round-yield": ("defaults with the family rates of the sampling policy's own eval "
+                                              "(no group shares) and a first round cut to the tasks that promise "
+                                              "60% of their groups with signal (at least 8)",
+                                              _rollouts(eval_prior=True, first_round_yield=0.6)),
     "defaults-build-on-champion": ("defaults with the earlier curriculum, each cycle building on the deployed "
                                    "champion instead of the newest policy (a blocked candidate is set aside)",
                                    {"perpetua_cycle": {"ops": {"rollouts": {"config": EARLIER_CURRICULUM}},

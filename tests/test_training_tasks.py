@@ -164,8 +164,8 @@ def test_variants_widen_each_new_failure_within_the_train_split(perpetua_home):
     assert build_training_tasks(read_failures(), settings=TrainingTaskConfig(variants_per_failure=3)).data_version == wide.data_version
     from ops.tasks.sampling import new_failure_ids
 
-    # the rollouts' failure prior counts the failures themselves, not their variants
-    assert new_failure_ids() == {r["task_id"] for r in new}
+    # the rollouts' failure prior counts each new failure's variants too: the same gap, widened
+    assert new_failure_ids() == {r["task_id"] for r in new + variants}
 
 
 def test_failures_of_a_set_no_learner_trained_on_stay_new(perpetua_home):

@@ -24,8 +24,9 @@ project already knows of each task, read from the stored rollouts and rewards of
   gave. With `group_prior`, a task the history has not seen takes its family's observed shares
   of groups whose rewards differed and of all-fail groups (`group_chances`), shrunk toward what
   the pass rate predicts;
-- a task harvested from a new production failure (with `failure_prior`) counts that failure as
-  one failed sample of its own (`with_production_failures`): the policy does not always solve it;
+- a task harvested from a new production failure, or generated as a variant of one (with
+  `failure_prior`), counts that failure as one failed sample of its own
+  (`with_production_failures`): the policy does not always solve it;
 - a task whose reference solution a cycle trained on (with `forget_trained`) starts a new record
   after that cycle: the failures that got it guided or rehearsed were the older policy's;
 - within a cycle, with `round_feedback`, a refill round (ops/rollout/dynamic.py) chooses knowing
@@ -72,8 +73,8 @@ class CurriculumConfig(BaseModel):
                     "with differing rewards and of all-fail groups, not what the family's mean pass rate predicts")
     ] = True
     failure_prior: Annotated[
-        bool, Field(description="A task harvested from a new production failure counts one failed sample "
-                    "(the deployed policy's) in its estimate")
+        bool, Field(description="A task harvested from a new production failure, or a variant generated from one, "
+                    "counts one failed sample (the deployed policy's) in its estimate")
     ] = True
     eval_prior: Annotated[
         bool, Field(description="A family's rate is the sampling policy's own per-family pass rate on the eval sets "
