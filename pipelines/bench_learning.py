@@ -46,11 +46,11 @@ PLAIN_LEARNER = {"updates_per_step": 2}
 # rehearsed by a supervised pass, with anchors): every configuration but "defaults" is defined
 # against them, so a row means what it meant when it was measured ("earlier-defaults" is them alone).
 EARLIER_TASKS = {"variants_per_failure": 0, "min_replay": 16, "family_floor": 0}
+# The curriculum of a weighted sample, before the greedy choice and forget_trained (the rows measured
+# with it carry it, so they keep their meaning; they also counted new failures without their variants).
+WEIGHTED_CURRICULUM = {"greedy": False, "forget_trained": False, "eval_prior": False, "first_round_yield": 0.0}
 # The curriculum before it learned from the cycle's own rounds, from its families' groups and from
 # the production failures, and sampled every refill whole (the rows measured before are built on it).
-# the curriculum of a weighted sample, before the greedy choice and forget_trained (the rows measured
-# with it carry it, so they keep their meaning; they also counted new failures without their variants)
-WEIGHTED_CURRICULUM = {"greedy": False, "forget_trained": False, "eval_prior": False, "first_round_yield": 0.0}
 EARLIER_CURRICULUM = {"round_feedback": False, "group_prior": False, "failure_prior": False,
                       "min_refill_yield": 0.0} | WEIGHTED_CURRICULUM
 EARLIER_ROLLOUTS = {"rehearsal_tasks": 0, "rehearsal_pass_rate": 0.8,

@@ -190,10 +190,12 @@ def sample_informative(
         choices = choose_tasks(list(remaining.values()), want, choosing, cfg.curriculum, guide_after=cfg.guide_after,
                                group_size=sampling.group_size, seed=f"rollout-tasks:{cycle}:{rnd}" if iteration == 1
                                else f"rollout-tasks:{cycle}.{iteration}:{rnd}")
-        min_yield, setting = (cfg.min_refill_yield, "min_refill_yield") if rnd else (cfg.first_round_yield,
-                                                                                    "first_round_yield")
+        if rnd:
+            min_yield, setting, at_least = cfg.min_refill_yield, "min_refill_yield", 0
+        else:
+            min_yield, setting, at_least = cfg.first_round_yield, "first_round_yield", cfg.min_first_round
         if cfg.curriculum.enabled and min_yield:
-            promising = promising_share(choices, cfg.guide_after, min_yield, at_least=0 if rnd else cfg.min_first_round)
+            promising = promising_share(choices, cfg.guide_after, min_yield, at_least=at_least)
             if not promising:
                 out.exhausted = "low_yield"
                 log(f"round {rnd}: not sampled, none of its {len(choices)} tasks promises a group with signal "
@@ -284,13 +286,13 @@ def promising_share(choices: list[TaskChoice], guide_after: int, min_yield: floa
     """The most of `choices` whose expected yield reaches `min_yield`, and never fewer than
     `at_least`: the likeliest to give a group with signal first (a prefix by chance, so the mean
     falls as it grows); in task-id order."""
-    ranked = sorted(choices, key=lambda c: (-c.signal_chance(guide_after), c.task.task_id))
+    ranked = sorted(((c.signal_chance(guide_after), c) for c in choices), key=lambda x: (-x[0], x[1].task.task_id))
     total, keep = 0.0, min(at_least, len(ranked))
-    for i, c in enumerate(ranked, 1):
-        total += c.signal_chance(guide_after)
+    for i, (chance, _) in enumerate(ranked, 1):
+        total += chance
         if total / i >= min_yield:
             keep = max(keep, i)
-    return sorted(ranked[:keep], key=lambda c: c.task.task_id)
+    return sorted((c for _, c in ranked[:keep]), key=lambda c: c.task.task_id)
 
 
 def expected_yield(choices: list[TaskChoice], guide_after: int) -> float:
