@@ -1,7 +1,8 @@
 """`eval_report`: candidate vs champion on the same eval sets, engine and settings; and the deploy
 gate, a blocking check that stops the run before `deployment` unless the candidate is better on
-the deciding set (no policy's outcomes chose it) and non-inferior on every guard family against
-both the champion and the base policy (ops/evaluate/gate.py).
+the deciding set (no policy's outcomes chose it), non-inferior on every guard family against
+both the champion and the base policy, and non-inferior against the champion on every family it
+has learned since (ops/evaluate/gate.py).
 
 In the `nightly_eval` job it evaluates the serving champion alone and writes a champion report:
 no candidate, no gate, no cycle (ops/evaluate/report.py).
@@ -10,6 +11,7 @@ no candidate, no gate, no cycle (ops/evaluate/report.py).
 from collections import Counter
 
 import dagster as dg
+from pydantic import ValidationError
 
 from assets.cycle import cycle_of, own_run_ids
 from assets.cycle_run import cycle_run_id
@@ -34,7 +36,7 @@ from ops.envs.home import home_environment, stage_code_version
 from ops.tasks.task_world import Task
 from ops.tasks.training_tasks import current_training_tasks_path, read_training_tasks
 
-CODE_VERSION = "eval_report-4"
+CODE_VERSION = "eval_report-5"
 NIGHTLY_EVAL_JOB = "nightly_eval"
 REFERENCE_VERSION = 0  # the guard's fixed reference: the base policy
 
@@ -48,6 +50,7 @@ class EvalReportConfig(dg.Config):
     alpha: float = 0.05
     min_gain: float = 0.0
     guard_margin: float = 0.1
+    learned_rate: float | None = 0.8  # a drift family the champion passes this often is guarded like a bootstrap one
 
     def eval_config(self) -> EvalConfig:
         return EvalConfig(drift_per_family=self.drift_per_family, failure_family_tasks=self.failure_family_tasks,
@@ -55,7 +58,8 @@ class EvalReportConfig(dg.Config):
                           samples=self.samples, temperature=0.0 if self.samples == 1 else 1.0)
 
     def gate_config(self) -> GateConfig:
-        return GateConfig(alpha=self.alpha, min_gain=self.min_gain, guard_margin=self.guard_margin)
+        return GateConfig(alpha=self.alpha, min_gain=self.min_gain, guard_margin=self.guard_margin,
+                          learned_rate=self.learned_rate)
 
 
 def report_path(cycle: int):
@@ -84,7 +88,10 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
     the known-failures slice, the cycle's measured cost and its intelligence per dollar."""
     uri = mlflow.uri()
     champion_registry_version, champion = registry.champion_policy_version(uri, policies.REGISTERED_MODEL)
-    cfg = config.eval_config()
+    try:
+        cfg, gate = config.eval_config(), config.gate_config()
+    except ValidationError as e:
+        raise dg.Failure(f"invalid eval_report configuration: {e}") from None
     env = home_environment()
     sets = eval_sets(cfg, *harvested(), env=env)
     if not sets.sets["deciding"]:
@@ -97,7 +104,6 @@ def eval_report(context: dg.AssetExecutionContext, config: EvalReportConfig, tra
     with metered("evaluate", cycle, trainer_server.server_pids()) as meter:
         champ, cand, ref = _score_policies(trainer_server, cfg, sets, champion, candidate, env)
         meter.add_tokens(champ.tokens + cand.tokens + (ref.tokens if ref else 0))
-    gate = config.gate_config()
     # an environment may have no held-out task in its bootstrap families: the gate then blocks,
     # saying that nothing shows the candidate kept what worked
     guard = [e.samples.get("guard", []) for e in (cand, champ, ref or champ)]
@@ -267,7 +273,8 @@ def _champion_check(context, cfg: EvalConfig, server: PolicyServer, champion: in
 
 @dg.asset_check(asset=eval_report, blocking=True,
                 description="Deploy gate: better on the deciding set (paired test), every guard family non-inferior "
-                            "to the champion and the base policy.")
+                            "to the champion and the base policy, every family the champion has learned non-inferior "
+                            "to the champion.")
 def deploy_gate(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
     if context.run.job_name == NIGHTLY_EVAL_JOB:
         return dg.AssetCheckResult(passed=True, metadata={"reason": "scheduled champion eval: no candidate to gate"})

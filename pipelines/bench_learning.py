@@ -34,6 +34,7 @@ from pathlib import Path
 
 import yaml
 
+from ops.cluster.config import deep_merge
 from ops.common.paths import home
 from ops.tasks.task_world import DRIFT_FAMILIES
 from pipelines.bench_cycle import copy_base
@@ -82,6 +83,11 @@ def _weighted(**fields) -> dict:
     """The defaults with the curriculum of a weighted sample (WEIGHTED_CURRICULUM) and the given
     rollouts settings changed."""
     return _rollouts(**(WEIGHTED_CURRICULUM | fields))
+
+
+def _no_learned_guard(config: dict) -> dict:
+    """`config` with the deploy gate guarding the bootstrap families alone (learned_rate None)."""
+    return deep_merge(config, {"perpetua_cycle": {"ops": {"eval_report": {"config": {"learned_rate": None}}}}})
 
 
 def _overrides(**fields) -> dict:
@@ -342,13 +348,24 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                                        "resources": _lineage("champion")}}),
     "build-on-latest": ("earlier-defaults, each cycle building on the newest policy (blocked or not) instead of the "
                         "champion", _cycle_config(lineage="latest")),
+    "defaults-no-learned-guard": ("defaults with the gate guarding the bootstrap families alone (not the drift "
+                                  "families the champion has learned)", _no_learned_guard({})),
 }
+# Every other row was measured with the gate before it guarded the learned drift families, and keeps it.
+GATE_BEFORE_LEARNED = frozenset(CONFIGS) - {"defaults"}
 BASELINE, CANDIDATE = "plain", "defaults"
+
+
+def row_config(name: str) -> dict:
+    """The run config a configuration's demo runs with (the rows measured before the learned-family
+    guard keep the gate they were measured with)."""
+    config = CONFIGS[name][1]
+    return _no_learned_guard(config) if name in GATE_BEFORE_LEARNED else config
 
 
 def run_config(name: str, root: Path, cycles: int, base: Path | None, log=print) -> dict:
     """One configuration's demo, in its own home; its summary plus the final eval report."""
-    description, config = CONFIGS[name]
+    description, config = CONFIGS[name][0], row_config(name)
     h = root / name.replace("+", "plus-")
     if h.exists():
         shutil.rmtree(h)

@@ -21,8 +21,11 @@ from pipelines.cli import main
 def test_every_configuration_is_a_valid_run_config(name):
     from pipelines.definitions import defs
 
-    config = bench_learning.CONFIGS[name][1].get(CYCLE_JOB, {})
-    assert set(bench_learning.CONFIGS[name][1]) <= {CYCLE_JOB}
+    config = bench_learning.row_config(name).get(CYCLE_JOB, {})
+    assert set(bench_learning.row_config(name)) <= {CYCLE_JOB}
+    # only the defaults run with the gate that guards learned drift families
+    learned_rate = config.get("ops", {}).get("eval_report", {}).get("config", {}).get("learned_rate", 0.8)
+    assert (learned_rate is not None) == (name == "defaults")
     dg.validate_run_config(defs.resolve_job_def(CYCLE_JOB), config)
     # the learner config the asset builds from it is valid (learner_overrides_json holds LearnerConfig fields)
     learner = config.get("ops", {}).get("policy_checkpoint", {}).get("config", {})

@@ -156,3 +156,34 @@ def test_metadata_is_plain_json_and_config_is_validated():
         GateConfig(guard_margin=-0.1)
     with pytest.raises(ValidationError):
         GateConfig(alpha=0.6)
+
+
+def test_a_learned_family_traded_for_a_new_one_blocks():
+    """The candidate gains overall by learning `mul_words` while it loses `sub_words`, which the
+    champion passes: the deciding set alone would deploy it; the learned-family check blocks it and
+    names the family. A family the champion has not learned is not guarded."""
+    champ = tasks({"sub_words": family(40, 40), "mul_words": family(0, 40), "mod": family(10, 40)}, "d")
+    cand = tasks({"sub_words": family(28, 40), "mul_words": family(38, 40), "mod": family(6, 40)}, "d")
+    guard = tasks(GUARD, "g")
+    d = decide(cand, champ, guard, guard, guard)
+    assert d.deciding_passed and not d.passed and d.guard_failed_families == ["sub_words"]
+    assert [g.family for g in d.learned] == ["sub_words"]  # mod (0.25) and mul_words (0) are not learned
+    assert any("Learned family sub_words" in r and "regressed against the champion" in r for r in d.reasons)
+    assert json.loads(json.dumps(d.metadata()))["learned"]["sub_words"]["passed"] is False
+    # Without the check (learned_rate None) the same trade deploys.
+    assert decide(cand, champ, guard, guard, guard, GateConfig(learned_rate=None)).passed
+
+
+def test_a_learned_family_kept_within_the_margin_passes():
+    champ = tasks({"sub_words": family(40, 40), "mul_words": family(0, 40)}, "d")
+    cand = tasks({"sub_words": family(39, 40), "mul_words": family(30, 40)}, "d")
+    guard = tasks(GUARD, "g")
+    d = decide(cand, champ, guard, guard, guard)
+    assert d.passed and [g.family for g in d.learned] == ["sub_words"] and d.learned[0].passed
+    assert any("Learned families (sub_words" in r for r in d.reasons)
+    # the guard set's families are not checked again on the deciding set
+    both = tasks({"add": family(40, 40), "mul_words": family(0, 40)}, "d")
+    better = tasks({"add": family(40, 40), "mul_words": family(30, 40)}, "d")
+    assert decide(better, both, guard, guard, guard).learned == []
+    with pytest.raises(ValidationError):
+        GateConfig(learned_rate=0.0)

@@ -9,6 +9,12 @@ the exact McNemar test with one sample per task, a task-clustered paired bootstr
   i.e. is the lower bound of its paired difference above -`guard_margin`, both against the
   current champion and against a fixed reference (the base policy)? Comparing with the champion
   alone would let every deploy lose a little more; the fixed reference stops that erosion.
+- Learned families (a family of the deciding set that the guard set does not cover, which the
+  champion passes at `learned_rate` or more there): is the candidate non-inferior on it against
+  the champion, within the same margin? A candidate that learns a new family while it loses one
+  the loop learned earlier can still gain overall; this keeps it from serving that trade. The
+  families are picked by the champion's outcomes on these very tasks, which can only make the
+  check stricter (a family at its lucky best is guarded), never let a regression through.
 
 The sets must be the same for both sides (same task ids); otherwise the scores are not
 comparable and the gate blocks. `reasons` are sentences for the Dagster check's metadata, one per
@@ -37,6 +43,10 @@ class GateConfig(BaseModel):
     guard_margin: Annotated[float, Field(ge=0.0, le=1.0, description="Non-inferiority margin per guard family: "
                                          "the lower bound of candidate minus champion (and minus the "
                                          "reference) must be above -guard_margin.")] = 0.1
+    learned_rate: Annotated[float | None, Field(gt=0.0, le=1.0, description="A deciding-set family outside the guard "
+                                                "set counts as learned when the champion passes this share of its "
+                                                "tasks there, and is then guarded against the champion within "
+                                                "guard_margin; None = no such guard.")] = 0.8
 
 
 class FamilyGuard(BaseModel):
@@ -62,17 +72,21 @@ class GateDecision(BaseModel):
     gain_ci: Annotated[tuple[float, float], Field(description="Paired two-sided (1 - 2 alpha) interval of the gain.")]
     deciding_passed: Annotated[bool, Field(description="The deciding-set check alone.")]
     guard_passed: Annotated[bool, Field(description="The guard check alone (every family).")]
-    guard_failed_families: Annotated[list[str], Field(description="Guard families that were not non-inferior.")]
+    guard_failed_families: Annotated[list[str], Field(description="Guard and learned families that were not "
+                                                      "non-inferior.")]
     guard: Annotated[list[FamilyGuard], Field(description="Per guard family: the paired comparisons.")]
+    learned: Annotated[list[FamilyGuard], Field(description="Per learned family (deciding set, vs the champion "
+                                                "alone): the paired comparisons.")] = []
 
     def metadata(self) -> dict:
         """Plain JSON values for Dagster check / asset metadata and the report."""
-        d = self.model_dump(exclude={"guard"})
+        d = self.model_dump(exclude={"guard", "learned"})
         d["gain_ci"] = list(self.gain_ci)
         d["reasons"] = "\n".join(self.reasons)
-        d["guard"] = {g.family: {"vs_champion": list(g.vs_champion.ci),
-                                 "vs_reference": list(g.vs_reference.ci) if g.vs_reference else None,
-                                 "passed": g.passed} for g in self.guard}
+        for name in ("guard", "learned"):
+            d[name] = {g.family: {"vs_champion": list(g.vs_champion.ci),
+                                  "vs_reference": list(g.vs_reference.ci) if g.vs_reference else None,
+                                  "passed": g.passed} for g in getattr(self, name)}
         return d
 
 
@@ -83,12 +97,14 @@ def decide(deciding_candidate: Sequence[TaskSamples], deciding_champion: Sequenc
     cfg = cfg or GateConfig()
     deciding, deciding_reason = _deciding(deciding_candidate, deciding_champion, cfg)
     guard, guard_reasons = _guard(guard_candidate, guard_champion, guard_reference, cfg)
+    learned, learned_reasons = ([], []) if deciding is None else _learned(
+        deciding_candidate, deciding_champion, {s.family for s in guard_candidate}, cfg)
     deciding_ok = deciding is not None and deciding.lower > cfg.min_gain
-    failed = [g.family for g in guard if not g.passed]
+    failed = [g.family for g in guard + learned if not g.passed]
     guard_ok = bool(guard) and not failed
     return GateDecision(
         passed=deciding_ok and guard_ok,
-        reasons=[deciding_reason, *guard_reasons],
+        reasons=[deciding_reason, *guard_reasons, *learned_reasons],
         gate_test=deciding.test if deciding else "none",
         deciding_set_size=len(deciding_candidate),
         deciding_set_hash=_hash(deciding_candidate),
@@ -99,6 +115,7 @@ def decide(deciding_candidate: Sequence[TaskSamples], deciding_champion: Sequenc
         guard_passed=guard_ok,
         guard_failed_families=failed,
         guard=guard,
+        learned=learned,
     )
 
 
@@ -142,6 +159,36 @@ def _guard(cand: Sequence[TaskSamples], champ: Sequence[TaskSamples], reference:
         reasons.append(f"Guard set: every family ({', '.join(g.family for g in out)}) non-inferior to {against} "
                        f"within a margin of {cfg.guard_margin}.")
     return out, reasons
+
+
+def _learned(cand: Sequence[TaskSamples], champ: Sequence[TaskSamples], guarded: set[str], cfg: GateConfig
+             ) -> tuple[list[FamilyGuard], list[str]]:
+    """The learned-family check on the deciding set (same tasks on both sides: checked before)."""
+    if cfg.learned_rate is None:
+        return [], []
+    by_cand, by_champ = _by_family(cand), _by_family(champ)
+    out, reasons = [], []
+    for family in sorted(set(by_champ) - guarded):
+        rate = _pass_rate(by_champ[family])
+        if rate < cfg.learned_rate:
+            continue
+        c = compare(by_cand[family], by_champ[family], cfg.alpha)
+        out.append(FamilyGuard(family=family, n_tasks=c.n_tasks, vs_champion=c, vs_reference=None,
+                               passed=c.lower > -cfg.guard_margin))
+        if c.lower <= -cfg.guard_margin:
+            reasons.append(f"Learned family {family} (deciding set) regressed against the champion: "
+                           f"{_rate(by_cand[family])} vs {_rate(by_champ[family])}, difference {c.gain:+.3f}, "
+                           f"lower bound {c.lower:+.3f} not above -{cfg.guard_margin}.")
+    if out and not reasons:
+        reasons.append(f"Learned families ({', '.join(g.family for g in out)}: the champion passes "
+                       f"{cfg.learned_rate:.0%} or more on the deciding set) non-inferior to the champion within a "
+                       f"margin of {cfg.guard_margin}.")
+    return out, reasons
+
+
+def _pass_rate(samples: Sequence[TaskSamples]) -> float:
+    n = sum(s.n for s in samples)
+    return sum(s.successes for s in samples) / n if n else 0.0
 
 
 def _by_family(samples: Sequence[TaskSamples]) -> dict[str, list[TaskSamples]]:
