@@ -22,7 +22,9 @@ import yaml
 from ops.cluster.config import deep_merge
 from small_cycle import small
 
-CYCLE_OPS = {"rollouts": {"config": {"max_tasks": 16, "group_size": 4}},
+# A first round of 16 groups, refilled to 8 informative ones at most 16 groups in all: the learner
+# trains on a few dozen sequences, not the hundreds the default's 32 informative groups ask for.
+CYCLE_OPS = {"rollouts": {"config": {"max_tasks": 16, "group_size": 4, "min_informative_groups": 8, "max_groups": 16}},
              "eval_report": {"config": {"drift_per_family": 8, "guard_per_family": 8, "production_tasks": 8}}}
 BOOTSTRAP = {"ops": {"base_policy": {"config": {"max_steps": 300, "target_success": 0.6}}}}
 SMALL = yaml.safe_dump({"bootstrap": BOOTSTRAP, "perpetua_cycle": {"ops": small(CYCLE_OPS)}})
