@@ -366,10 +366,15 @@ def row_config(name: str) -> dict:
     return config if name in LEARNED_GUARD_ROWS else _no_learned_guard(config)
 
 
-def run_config(name: str, root: Path, cycles: int, base: Path | None, log=print) -> dict:
+def home_name(name: str, seed: int = 0) -> str:
+    """The folder of a configuration's demo home under the bench's root (one per seed)."""
+    return name.replace("+", "plus-") + (f"-seed-{seed}" if seed else "")
+
+
+def run_config(name: str, root: Path, cycles: int, base: Path | None, log=print, seed: int = 0) -> dict:
     """One configuration's demo, in its own home; its summary plus the final eval report."""
     description, config = CONFIGS[name][0], row_config(name)
-    h = root / name.replace("+", "plus-")
+    h = root / home_name(name, seed)
     if h.exists():
         shutil.rmtree(h)
     (h / "models").mkdir(parents=True)
@@ -379,18 +384,18 @@ def run_config(name: str, root: Path, cycles: int, base: Path | None, log=print)
     config_path.write_text(yaml.safe_dump(config))
     summary_path = h / "demo-summary.json"
     command = [sys.executable, "-m", "pipelines.cli", "demo", "--cycles", str(cycles), "--summary", str(summary_path),
-               "--run-config", str(config_path), "--no-automation"]
-    log(f"bench learning: {name} ({description}) in {h}")
+               "--run-config", str(config_path), "--no-automation", "--seed", str(seed)]
+    log(f"bench learning: {name} ({description}), seed {seed}, in {h}")
     start = time.monotonic()
     with open(h / "demo.log", "w") as out:
         proc = subprocess.run(command, env={**os.environ, "PERPETUA_HOME": str(h)}, stdout=out, stderr=subprocess.STDOUT,
                               cwd=Path(__file__).resolve().parent.parent)
     if proc.returncode != 0 or not summary_path.exists():
         raise RuntimeError(f"the demo of configuration {name!r} failed (exit {proc.returncode}); see {h / 'demo.log'}")
-    return summarize(name, h, json.loads(summary_path.read_text()), time.monotonic() - start)
+    return summarize(name, h, json.loads(summary_path.read_text()), time.monotonic() - start, seed)
 
 
-def summarize(name: str, h: Path, summary: dict, wall: float) -> dict:
+def summarize(name: str, h: Path, summary: dict, wall: float, seed: int = 0) -> dict:
     """The ablation row of one configuration from its demo summary and eval reports."""
     rates = summary["production_failure_rate"]
     last = max(r["cycle"] for r in rates)
@@ -409,6 +414,7 @@ def summarize(name: str, h: Path, summary: dict, wall: float) -> dict:
     return {
         "name": name,
         "description": CONFIGS[name][0],
+        "seed": seed,
         "final_failure_rate": final,
         "final_failure_rate_overall": _overall(summary),
         "first_failure_rate": {k: round(v, 4) for k, v in first.items()},
@@ -430,9 +436,11 @@ def _overall(summary: dict) -> float | None:
     return summary.get("final_failure_rate")
 
 
-def run_bench(cycles: int = 3, only: list[str] | None = None, log=print, base: Path | None = None) -> dict:
+def run_bench(cycles: int = 3, only: list[str] | None = None, log=print, base: Path | None = None,
+              seed: int = 0) -> dict:
     """Every configuration (or `only` those) from one base policy: `base` (a home's models/base)
-    when given, else the one the first configuration's demo bootstraps."""
+    when given, else the one the first configuration's demo bootstraps; every demo on the traffic
+    and sampling seeds of `seed`."""
     names = only or list(CONFIGS)
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
@@ -446,16 +454,17 @@ def run_bench(cycles: int = 3, only: list[str] | None = None, log=print, base: P
         base = kept
     results = []
     for name in names:
-        results.append(run_config(name, root, cycles, base, log))
-        (root / "results.json").write_text(json.dumps(results, indent=2))  # what is done so far, if interrupted
+        results.append(run_config(name, root, cycles, base, log, seed))
+        # what is done so far, if interrupted
+        (root / (f"results-seed-{seed}.json" if seed else "results.json")).write_text(json.dumps(results, indent=2))
         if base is None:  # every later configuration starts from the same bootstrapped base policy
-            base = root / name.replace("+", "plus-") / "models" / "base"
+            base = root / home_name(name, seed) / "models" / "base"
     by_name = {r["name"]: r for r in results}
     baseline, candidate = by_name.get(BASELINE), by_name.get(CANDIDATE)
     ratio = None
     if baseline and candidate and candidate["final_failure_rate_overall"]:
         ratio = baseline["final_failure_rate_overall"] / candidate["final_failure_rate_overall"]
-    return {"name": "learning", "ratio": ratio, "cycles": cycles,
+    return {"name": "learning", "ratio": ratio, "cycles": cycles, "seed": seed,
             "what": "final production failure rate of 'plain' / of 'defaults' on the same fresh traffic (> 1: the "
                     "defaults fail less)",
             "baseline": baseline, "candidate": candidate, "configs": results}

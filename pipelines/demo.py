@@ -46,6 +46,7 @@ from ops.common import tracking
 from ops.common.paths import Home, home
 from ops.harvest.mlflow_sink import MlflowTraceSink
 from ops.bench.cycle import compact_line, mlflow_metrics
+from ops.cluster.config import deep_merge
 from pipelines.cycle_timing import run_breakdown
 
 
@@ -60,6 +61,7 @@ class DemoConfig:
     traces: str = "mlflow"  # where production traffic goes: "mlflow" (traces in the experiment) or "landing" (files)
     environment: str | None = None  # the environment to train (ops/envs); None: the home's, else the calculator world
     launch: str = "process"  # how cycles run: "process" (execute_in_process here) or "daemon" (queued, pipelines/daemon.py)
+    seed: int = 0  # seeds the production traffic and the rollouts' sampling; 0 reproduces the README's runs
 
 
 # Dagster's console logger prints every engine event at DEBUG; the demo shows the stages' own
@@ -68,8 +70,21 @@ QUIET_LOGS = {"loggers": {"console": {"config": {"log_level": "INFO"}}}}
 CYCLE_TIMEOUT_S = 3 * 3600.0  # a cycle the daemon runs that has not ended by then is reported, not awaited
 
 
+TRAFFIC_SEED_STRIDE = 100_000  # the traffic seeds of one demo seed, apart from every other seed's
+
+
 def job_run_config(settings: DemoConfig, job: str) -> dict:
-    return {**QUIET_LOGS, **settings.run_config.get(job, {})}
+    """A job's run config: the user's, over the demo's seed of the rollouts' sampling (when not 0)."""
+    config = settings.run_config.get(job, {})
+    if job == CYCLE_JOB and settings.seed:
+        config = deep_merge({"ops": {"rollouts": {"config": {"seed": settings.seed}}}}, config)
+    return {**QUIET_LOGS, **config}
+
+
+def traffic_seed(settings: DemoConfig, stretch: int) -> int:
+    """The simulator's seed of one stretch of production traffic (the cycle it comes before, or
+    10_000 + the last cycle for the traffic after it)."""
+    return stretch + TRAFFIC_SEED_STRIDE * settings.seed
 
 
 def previous_cycles(instance) -> int:
@@ -271,7 +286,8 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
             t0 = time.monotonic()
             lo, hi = (cycle - 1) / total, cycle / total  # production time advances and drifts
             champion = registry.champion_version(uri, policies.REGISTERED_MODEL)
-            traffic = production_traffic(production, champion, settings.traffic_per_cycle, lo, hi, seed=cycle,
+            traffic = production_traffic(production, champion, settings.traffic_per_cycle, lo, hi,
+                                         seed=traffic_seed(settings, cycle),
                                          traces_to=traces_to(champion))
             launched_at = time.monotonic()
             record_traffic(cycle, traffic)
@@ -297,7 +313,8 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
             rows.append(row)
             print_row(row)
         champion = registry.champion_version(uri, policies.REGISTERED_MODEL)
-        final = production_traffic(production, champion, settings.traffic_per_cycle, 1.0, 1.0, seed=10_000 + total,
+        final = production_traffic(production, champion, settings.traffic_per_cycle, 1.0, 1.0,
+                                   seed=traffic_seed(settings, 10_000 + total),
                                    traces_to=traces_to(champion))
         log(f"after cycle {total}: production failure rate {final['overall_failure_rate']:.2f}")
         record_traffic(total + 1, final)

@@ -74,7 +74,8 @@ def test_row_and_table_from_a_demo_summary(tmp_path):
                                     ((1, "add_words", 1.0), (1, "add", 0.0), (3, "add_words", 0.25), (3, "add", 0.0))],
         "final_failure_rate": 0.125,
     }
-    row = bench_learning.summarize("defaults", tmp_path, summary, wall=99.0)
+    row = bench_learning.summarize("defaults", tmp_path, summary, wall=99.0, seed=2)
+    assert row["seed"] == 2 and bench_learning.home_name("defaults+x", 2) == "defaults+x".replace("+", "plus-") + "-seed-2"
     assert row["final_failure_rate"] == {"add_words": 0.25, "add": 0.0}
     assert row["first_failure_rate"] == {"add_words": 1.0, "add": 0.0}
     assert row["final_failure_rate_overall"] == 0.125
@@ -98,6 +99,26 @@ def test_unknown_configuration_is_a_clear_error(capsys, perpetua_home):
     assert "no base policy there" in capsys.readouterr().err
     assert main(["bench", "rollout", "--base", str(perpetua_home)]) != 0
     assert "--base belongs to" in capsys.readouterr().err
+    assert main(["bench", "cycle", "--seed", "3"]) != 0
+    assert "--seed belongs to" in capsys.readouterr().err
+
+
+def test_a_demo_seed_moves_the_traffic_and_the_rollouts_sampling():
+    """Seed 0 is the demo as it always ran (the README's numbers); another seed changes every
+    stretch of traffic and the rollouts' sampling seed, unless the run config names one."""
+    from assets.cycle import CYCLE_JOB
+
+    plain = demo.DemoConfig()
+    assert demo.job_run_config(plain, CYCLE_JOB) == demo.QUIET_LOGS
+    assert [demo.traffic_seed(plain, c) for c in (1, 2, 10_003)] == [1, 2, 10_003]
+    seeded = demo.DemoConfig(seed=2)
+    assert demo.job_run_config(seeded, CYCLE_JOB)["ops"]["rollouts"]["config"] == {"seed": 2}
+    assert "ops" not in demo.job_run_config(seeded, "bootstrap")
+    stretches = [demo.traffic_seed(s, c) for s in (plain, seeded) for c in (1, 2, 3, 10_003)]
+    assert len(set(stretches)) == len(stretches)
+    user = {CYCLE_JOB: {"ops": {"rollouts": {"config": {"seed": 7, "max_tasks": 8}}}}}
+    config = demo.job_run_config(demo.DemoConfig(seed=2, run_config=user), CYCLE_JOB)
+    assert config["ops"]["rollouts"]["config"] == {"seed": 7, "max_tasks": 8}
 
 
 @pytest.mark.parametrize("bench", ["learning", "cycle"])

@@ -33,6 +33,9 @@ def add_arguments(p) -> None:
                    help="cycle only: the learner launcher of the demo's cycles (persistent, the default: the "
                         "learner service kept up between cycles; local: a torchrun per step)")
     p.add_argument("--only", metavar="NAMES", help="learning only: comma-separated configurations to run (default all)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="learning only: the demos' seed of production traffic and rollout sampling (default 0); "
+                        "each seed's homes are apart (NAME-seed-N)")
     p.add_argument("--hacks", action="store_true",
                    help="verify only: run the reward-hacking suite (every attack must score 0 and be flagged, "
                         "the honest responses 1) instead of the speed bench")
@@ -52,6 +55,8 @@ def run(args) -> int:
         raise UserError("--base belongs to `perpetua bench cycle` and `perpetua bench learning`")
     if args.base is not None and not (args.base / "hf" / "config.json").is_file():
         raise UserError(f"--base {args.base}: no base policy there (expected a home's models/base, with hf/config.json)")
+    if args.seed and args.name != "learning":
+        raise UserError("--seed belongs to `perpetua bench learning`")
     if args.learner is not None and args.name != "cycle":
         raise UserError("--learner belongs to `perpetua bench cycle`")
     if args.name == "learning":
@@ -73,7 +78,7 @@ def _learning(module, args) -> int:
         raise UserError("--cycles must be at least 1")
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
     try:
-        result = module.run_bench(cycles=args.cycles, only=only, base=args.base,
+        result = module.run_bench(cycles=args.cycles, only=only, base=args.base, seed=args.seed,
                                   log=lambda m: print(m, file=sys.stderr, flush=True))
     except (ValueError, RuntimeError) as e:
         raise UserError(str(e)) from None

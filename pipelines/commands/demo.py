@@ -1,4 +1,4 @@
-"""`perpetua demo [--cycles N] [--summary FILE] [--db sqlite|postgres] [--launch process|daemon] [--env NAME]`: the main job, on
+"""`perpetua demo [--cycles N] [--summary FILE] [--db sqlite|postgres] [--launch process|daemon] [--env NAME] [--seed N]`: the main job, on
 the embedded default (SQLite) or on a local PostgreSQL server (pipelines/commands/db.py), in the
 calculator world or another registered environment (`perpetua envs`)."""
 
@@ -35,6 +35,9 @@ def add_arguments(p) -> None:
                    help="how cycles run: in this process (execute_in_process), or queued and launched by the Dagster "
                         "daemon (started for the demo) with a harvest run beside each cycle, as on a cluster. "
                         "Default: daemon on PostgreSQL, process on SQLite")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the production traffic and of the rollouts' sampling (default 0, the README's runs); "
+                        "another seed repeats a run on other traffic and samples")
 
 
 def run(args) -> int:
@@ -66,7 +69,7 @@ def run(args) -> int:
     try:
         summary = run_demo(DemoConfig(cycles=args.cycles, traffic_per_cycle=args.traffic, summary=args.summary,
                                           automation=args.automation, run_config=run_config, traces=args.traces,
-                                      environment=args.environment, launch=launch))
+                                      environment=args.environment, launch=launch, seed=args.seed))
     except (MlflowServerError, VllmServerError, PostgresServerError, PostgresConfigError, DaemonError) as e:  # a port taken, a server that cannot start
         raise UserError(str(e)) from None
     except DagsterInvalidConfigError as e:
