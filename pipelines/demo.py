@@ -215,7 +215,15 @@ def production_traffic(production, champion: str, requests: int, t0: float, t1: 
     result = run_simulation(engine, tokenizer, traces_to, cfg, env=home_environment())
     failures = sum(r.outcome != "success" for r in result.records)
     return {"requests": len(result.records), "overall_failure_rate": failures / max(1, len(result.records)),
-            "failure_rate": {f: v["rate"] for f, v in result.by_family.items()}, "by_family": result.by_family}
+            "failure_rate": {f: v["rate"] for f, v in result.by_family.items()}, "by_family": result.by_family,
+            "stopped_early": result.stopped_early}
+
+
+def _short(traffic: dict, asked: int) -> str:
+    """What to add to a stretch of traffic's line when it ended before its requests."""
+    if traffic["requests"] >= asked:
+        return ""
+    return f" (stopped after {traffic['requests']} of {asked} requests: {traffic.get('stopped_early') or 'no reason given'})"
 
 
 def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
@@ -292,7 +300,7 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
             launched_at = time.monotonic()
             record_traffic(cycle, traffic)
             log(f"cycle {cycle}: {traffic['requests']} production requests (drift t {lo:.2f}-{hi:.2f}), "
-                f"failure rate {traffic['overall_failure_rate']:.2f}")
+                f"failure rate {traffic['overall_failure_rate']:.2f}" + _short(traffic, settings.traffic_per_cycle))
             # The MLflow parent run is closed by its outcome, or KILLED if Ctrl-C lands outside the run.
             tags = {CYCLE_TAG: str(cycle), TRIGGER_TAG: "demo"}
             with cycle_run.launched(uri, settings.experiment, cycle, launcher="demo") as parent:
@@ -316,7 +324,8 @@ def run_demo(settings: DemoConfig, log: Callable[[str], None] = print) -> dict:
         final = production_traffic(production, champion, settings.traffic_per_cycle, 1.0, 1.0,
                                    seed=traffic_seed(settings, 10_000 + total),
                                    traces_to=traces_to(champion))
-        log(f"after cycle {total}: production failure rate {final['overall_failure_rate']:.2f}")
+        log(f"after cycle {total}: production failure rate {final['overall_failure_rate']:.2f}"
+            + _short(final, settings.traffic_per_cycle))
         record_traffic(total + 1, final)
         print_failure_rates(failure_rates, env.drift_families + env.bootstrap_families)
         if settings.automation:

@@ -1,7 +1,8 @@
 """The production simulator against a real vLLM server on the tiny bootstrapped policy:
 `perpetua simulate --json` end to end (server start, drifting traffic, episodes, traces in the
 landing zone that the trace contract accepts), with the failure rate per family in its output.
-Unit checks of the drift mix and the report run without an engine."""
+Unit checks of the drift mix and the report run without an engine, and those of a run that meets
+a failed version reading or a refit on a scripted one."""
 
 from __future__ import annotations
 
@@ -107,3 +108,50 @@ def test_simulate_without_a_champion_is_a_clear_error(perpetua_home, capsys):
 
     assert main(["simulate", "--port", str(_free_port())]) == 2
     assert "no champion to serve" in capsys.readouterr().err
+
+
+class _GlitchingEngine:
+    """A scripted engine whose version reading fails (reads None) at the given reads, or whose
+    served version becomes `refit_to` from a read on: a loaded machine's dropped /weight_info
+    answer, or a deploy that refits the server mid-run."""
+
+    def __new__(cls, tokenizer, none_at=(), refit_at=None, refit_to=4):
+        from scripted_engine import ScriptedEngine
+
+        class Engine(ScriptedEngine):
+            reads = 0
+
+            @property
+            def policy_version(self):
+                Engine.reads += 1
+                if refit_at is not None and Engine.reads >= refit_at:
+                    return refit_to
+                return None if Engine.reads in none_at else self.version
+
+        return Engine(tokenizer, lambda prompt, r: "ANSWER 0\n", version=3)
+
+
+def _tokenizer(tmp_path):
+    from ops.policy import tokenizer as tok_lib
+
+    tok_lib.save_hf_tokenizer(tok_lib.train_tokenizer(512), tmp_path / "tok")
+    return tok_lib.load_hf_tokenizer(tmp_path / "tok")
+
+
+def test_a_failed_version_reading_does_not_end_the_traffic_and_a_refit_does(tmp_path):
+    from ops.harvest.simulator import SimulatorConfig, run_simulation
+
+    tok = _tokenizer(tmp_path)
+    cfg = SimulatorConfig(requests=40, wave_size=8, seed=5)
+    # The 4th reading fails (inside the second wave): the wave is sent again, every request lands.
+    lines = []
+    glitch = run_simulation(_GlitchingEngine(tok, none_at={4}), tok, tmp_path / "a", cfg, log=lines.append)
+    assert len(glitch.records) == 40 and glitch.stopped_early is None
+    assert any("sending the wave again" in line for line in lines)
+    assert sum(len(p.read_text().splitlines()) for p in glitch.landing_files) == 40
+    # The same traffic, no glitch: the same tasks in the same order.
+    clean = run_simulation(_GlitchingEngine(tok), tok, tmp_path / "b", cfg)
+    assert [r.question for r in clean.records] == [r.question for r in glitch.records]
+    # A refit mid-run: the run stops after the waves the old version served, and says why.
+    refit = run_simulation(_GlitchingEngine(tok, refit_at=6), tok, tmp_path / "c", cfg)
+    assert 0 < len(refit.records) < 40 and "the served policy changed" in refit.stopped_early

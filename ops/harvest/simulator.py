@@ -92,6 +92,32 @@ class SimulationResult:
         }
 
 
+VERSION_REREADS = 3  # a version reading that failed is read again this many times before the run stops
+
+
+def _run_wave(runner: EpisodeRunner, engine: RolloutEngine, tasks: list[Task], settings: EpisodeConfig,
+              policy_version: int, seeds: list[int], log: Callable[[str], None]) -> tuple[list, str | None]:
+    """One wave's episodes, run to the end; or, when the served policy changed, why the run stops.
+
+    Traces name one model version, so a deploy that refits the server mid-run ends the run. A
+    reading of the version that failed (a slow or dropped /weight_info answer on a loaded machine)
+    looks the same from one call: the version is read again, and when the server still serves
+    the run's version the wave is sent again, from the same tasks and seeds."""
+    attempt = 0
+    while True:
+        episodes = [runner.new_episode(task, 0, seed) for task, seed in zip(tasks, seeds)]
+        try:
+            runner.run(episodes, settings, require_version=policy_version)
+            return episodes, None
+        except PolicyVersionError as e:
+            attempt += 1
+            time.sleep(float(attempt))
+            if attempt > VERSION_REREADS or engine.policy_version != policy_version:
+                return episodes, f"the served policy changed: {e}"
+            log(f"the served version read as changed ({e}), but the server still serves version {policy_version}: "
+                "sending the wave again")
+
+
 class Traffic:
     """Tasks as production sends them: family by the drifting mix, the task itself at random."""
 
@@ -144,12 +170,10 @@ def run_simulation(
         n = cfg.wave_size if cfg.requests is None else min(cfg.wave_size, cfg.requests - sent)
         wave_t = [_production_time(cfg, sent + i, elapsed) for i in range(n)]
         wave_start = datetime.now(timezone.utc)
-        episodes = [runner.new_episode(traffic.task_at(t), 0, _episode_seed(cfg.seed, sent + i)) for i, t in enumerate(wave_t)]
-        try:
-            # Traces name one model version: a deploy that refits the server mid-run ends the run.
-            runner.run(episodes, settings, require_version=policy_version)
-        except PolicyVersionError as e:
-            stopped = f"the served policy changed: {e}"
+        tasks = [traffic.task_at(t) for t in wave_t]
+        episodes, stopped = _run_wave(runner, engine, tasks, settings, policy_version,
+                                      [_episode_seed(cfg.seed, sent + i) for i in range(n)], log)
+        if stopped:
             log(f"stopping: {stopped}")
             break
         wave = [trace_record(ep, model_version, verify, env) for ep in episodes]
