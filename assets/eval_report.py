@@ -50,7 +50,8 @@ class EvalReportConfig(dg.Config):
     alpha: float = 0.05
     min_gain: float = 0.0
     guard_margin: float = 0.1
-    learned_rate: float | None = 0.8  # a drift family the champion passes this often is guarded like a bootstrap one
+    learned_rate: float | None = 0.8  # a drift family the champion passes this often is guarded against it
+    learned_margin: float = 0.2
 
     def eval_config(self) -> EvalConfig:
         return EvalConfig(drift_per_family=self.drift_per_family, failure_family_tasks=self.failure_family_tasks,
@@ -59,7 +60,7 @@ class EvalReportConfig(dg.Config):
 
     def gate_config(self) -> GateConfig:
         return GateConfig(alpha=self.alpha, min_gain=self.min_gain, guard_margin=self.guard_margin,
-                          learned_rate=self.learned_rate)
+                          learned_rate=self.learned_rate, learned_margin=self.learned_margin)
 
 
 def report_path(cycle: int):

@@ -350,12 +350,15 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                         "champion", _cycle_config(lineage="latest")),
     "defaults-no-learned-guard": ("defaults with the gate guarding the bootstrap families alone (not the drift "
                                   "families the champion has learned)", _no_learned_guard({})),
+    "defaults-learned-margin-0.1": ("defaults with the learned drift families guarded within the bootstrap "
+                                    "families' margin (0.1) instead of 0.2",
+                                    {"perpetua_cycle": {"ops": {"eval_report": {"config": {"learned_margin": 0.1}}}}}),
     "defaults+first-round-yield": ("defaults with the first round cut to the likeliest tasks that promise 60% of "
                                    "their groups with signal (at least 8 groups)", _rollouts(first_round_yield=0.6)),
 }
 # The rows measured with the gate that guards the drift families the champion has learned; every
 # other row was measured before it and keeps the gate it had.
-LEARNED_GUARD_ROWS = frozenset({"defaults", "defaults+first-round-yield"})
+LEARNED_GUARD_ROWS = frozenset({"defaults", "defaults-learned-margin-0.1", "defaults+first-round-yield"})
 BASELINE, CANDIDATE = "plain", "defaults"
 
 

@@ -181,6 +181,10 @@ def test_a_learned_family_kept_within_the_margin_passes():
     d = decide(cand, champ, guard, guard, guard)
     assert d.passed and [g.family for g in d.learned] == ["sub_words"] and d.learned[0].passed
     assert any("Learned families (sub_words" in r for r in d.reasons)
+    # a loss of 6 of 40 (lower bound -0.15) is inside the learned families' margin of 0.2, not 0.1's
+    lost6 = tasks({"sub_words": family(34, 40), "mul_words": family(30, 40)}, "d")
+    assert decide(lost6, champ, guard, guard, guard).passed
+    assert not decide(lost6, champ, guard, guard, guard, GateConfig(learned_margin=0.1)).passed
     # the guard set's families are not checked again on the deciding set
     both = tasks({"add": family(40, 40), "mul_words": family(0, 40)}, "d")
     better = tasks({"add": family(40, 40), "mul_words": family(30, 40)}, "d")
