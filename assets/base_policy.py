@@ -30,7 +30,7 @@ class BasePolicyConfig(dg.Config):
     threads: int = 0
 
 
-def _bootstrap_config(config: BasePolicyConfig) -> BootstrapConfig:
+def bootstrap_config(config: BasePolicyConfig) -> BootstrapConfig:
     cfg = BootstrapConfig(preset=config.preset, threads=config.threads)
     return cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"max_steps": config.max_steps,
                                                                       "target_success": config.target_success})})
@@ -40,7 +40,16 @@ def bootstrap_key(config: BasePolicyConfig, env: Environment) -> str:
     """The cache key of a base policy: the code version, the bootstrap config and, for any world
     but the calculator (whose key is the one it always had), the environment's code version."""
     env_part = "" if env.identity() == CALCULATOR_V1 else env.code_version()
-    return hashlib.sha256((CODE_VERSION + _bootstrap_config(config).model_dump_json() + env_part).encode()).hexdigest()[:16]
+    return hashlib.sha256((CODE_VERSION + bootstrap_config(config).model_dump_json() + env_part).encode()).hexdigest()[:16]
+
+
+def record_key(out: Path, config: BasePolicyConfig, env: Environment) -> str:
+    """Stamp the base policy in `out` with the key and the config it was trained under, so that
+    the bootstrap reuses it, here or in a home it is copied into (reuse_run_config)."""
+    key = bootstrap_key(config, env)
+    (out / KEY_FILE).write_text(key)
+    atomic_write_text(out / CONFIG_FILE, json.dumps(config.model_dump(), sort_keys=True) + "\n")
+    return key
 
 
 def reuse_run_config(base_dir: Path, env: Environment) -> dict:
@@ -69,7 +78,7 @@ def base_policy(context: dg.AssetExecutionContext, config: BasePolicyConfig) -> 
     """The base policy of the home's environment (ops/envs/home.py): tokenizer + megatron-core MoE
     trained by SFT until it solves the bootstrap families; exported in HF Mixtral format for vLLM.
     Records success on bootstrap and drift families, and binds the home to the environment."""
-    cfg = _bootstrap_config(config)
+    cfg = bootstrap_config(config)
     env = home_environment()
     key = bootstrap_key(config, env)
     out = home().models / "base"
@@ -81,8 +90,7 @@ def base_policy(context: dg.AssetExecutionContext, config: BasePolicyConfig) -> 
         stamp.unlink(missing_ok=True)
         r = bootstrap_base_policy(out, cfg, log=lambda m: context.log.info(f"sft {m}"), env=env)
         result = r.sft.to_dict()
-        stamp.write_text(key)
-    atomic_write_text(out / CONFIG_FILE, json.dumps(config.model_dump(), sort_keys=True) + "\n")
+    record_key(out, config, env)
     bind_environment(env)
     success = result["success"]
     return dg.MaterializeResult(

@@ -135,10 +135,14 @@ def random_policy_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def base_policy_dir(tmp_path_factory) -> Path:
-    """A bootstrapped tiny policy (short SFT: follows the episode format, often right)."""
-    from ops.policy.bootstrap import BootstrapConfig, bootstrap_base_policy
-    from ops.policy.sft import SFTConfig
+    """A bootstrapped tiny policy (short SFT: follows the episode format, often right), stamped as
+    the `base_policy` asset stamps its own, so that a home it is copied into reuses it."""
+    from assets.base_policy import BasePolicyConfig, bootstrap_config, record_key
+    from ops.envs import get_environment
+    from ops.policy.bootstrap import bootstrap_base_policy
 
     out = tmp_path_factory.mktemp("base-policy")
-    cfg = BootstrapConfig(sft=SFTConfig(max_steps=300, eval_every=100, target_success=0.6))
-    return bootstrap_base_policy(out, cfg).hf_dir
+    config = BasePolicyConfig(max_steps=300, target_success=0.6)
+    hf_dir = bootstrap_base_policy(out, bootstrap_config(config)).hf_dir
+    record_key(out, config, get_environment("calculator"))
+    return hf_dir

@@ -1,6 +1,7 @@
 """`perpetua demo`, the main job, as a user runs it: the real command in its own process, on the
 real engines (MLflow server, two vLLM CPU servers, megatron-core learner under torchrun, the
-sandbox), with smaller sets than the default (`--run-config`) so it fits in the suite.
+sandbox), with smaller sets than the default (`--run-config`) so it fits in the suite, from the
+session's bootstrapped base policy (copied in; the demo's bootstrap job reuses it).
 
 Run twice over one PERPETUA_HOME: the second run continues the cycle numbering and harvests only
 what landed after the first one (nothing read twice, nothing lost), and neither leaves a
@@ -20,19 +21,21 @@ import pytest
 import yaml
 
 from ops.cluster.config import deep_merge
+from pipelines.bench_cycle import copy_base
 from small_cycle import small
 
 # A first round of 16 groups, refilled to 8 informative ones at most 16 groups in all: the learner
 # trains on a few dozen sequences, not the hundreds the default's 32 informative groups ask for.
 CYCLE_OPS = {"rollouts": {"config": {"max_tasks": 16, "group_size": 4, "min_informative_groups": 8, "max_groups": 16}},
              "eval_report": {"config": {"drift_per_family": 8, "guard_per_family": 8, "production_tasks": 8}}}
-BOOTSTRAP = {"ops": {"base_policy": {"config": {"max_steps": 300, "target_success": 0.6}}}}
-SMALL = yaml.safe_dump({"bootstrap": BOOTSTRAP, "perpetua_cycle": {"ops": small(CYCLE_OPS)}})
-
 # The second run: two on-policy iterations per cycle (rollouts by the newest weights, verified, a
 # step), each with the reference solutions of a few unchosen tasks rehearsed.
-ITERATING = yaml.safe_dump({"bootstrap": BOOTSTRAP, "perpetua_cycle": {"ops": small(deep_merge(
-    CYCLE_OPS, {"rollouts": {"config": {"rehearsal_tasks": 3}}, "policy_checkpoint": {"config": {"iterations": 2}}}))}})
+ITERATING_OPS = deep_merge(CYCLE_OPS, {"rollouts": {"config": {"rehearsal_tasks": 3}},
+                                       "policy_checkpoint": {"config": {"iterations": 2}}})
+
+
+def _run_config(bootstrap: dict, cycle_ops: dict) -> str:
+    return yaml.safe_dump({"bootstrap": bootstrap, "perpetua_cycle": {"ops": small(cycle_ops)}})
 
 # docs/architecture.md, `demo --summary FILE` (fixed keys).
 CYCLE_KEYS = {"cycle", "failures_harvested", "rollouts", "mean_reward", "champion_score", "candidate_score", "gain_ci",
@@ -61,9 +64,13 @@ def _landed(home: Path) -> int:
 
 
 @pytest.mark.timeout(1500)
-def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_path):
+def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_path, base_policy_dir):
     home = tmp_path / "home"
-    (tmp_path / "small.yaml").write_text(SMALL)
+    # The session's bootstrapped base policy, copied in as `bench --base` does, with the bootstrap
+    # config under which the demo's bootstrap job reuses it (a fresh home's bootstrap through the
+    # demo is tests/test_env_demo.py's).
+    bootstrap = copy_base(base_policy_dir.parent, home)["bootstrap"]
+    (tmp_path / "small.yaml").write_text(_run_config(bootstrap, CYCLE_OPS))
     ports = {"PERPETUA_TRAINER_PORT": _free_port(), "PERPETUA_PRODUCTION_PORT": _free_port(), "PERPETUA_MLFLOW_PORT": _free_port()}
     env = {**os.environ, "PERPETUA_HOME": str(home), "VLLM_CPU_KVCACHE_SPACE": "1", **{k: str(v) for k, v in ports.items()}}
     env.pop("MLFLOW_TRACKING_URI", None)
@@ -86,7 +93,7 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
                                      "nightly_eval_schedule": "RUNNING"}
     landed_before_second, failures_before_second = _landed(home), _failure_trace_ids(home)
 
-    (tmp_path / "iterating.yaml").write_text(ITERATING)
+    (tmp_path / "iterating.yaml").write_text(_run_config(bootstrap, ITERATING_OPS))
     second = _demo(env, tmp_path / "second.json", "--no-automation", "--run-config", str(tmp_path / "iterating.yaml"))
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-6000:]
     (row2,) = json.loads((tmp_path / "second.json").read_text())["cycles"]
@@ -100,7 +107,7 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
     assert len(sources) == row2["rollouts"] and 0 < sources.count("rehearsal") == row2["rehearsal_rows"] <= 6
     assert 0 <= row2["informative_samples"] <= row2["rollouts"] - row2["rehearsal_rows"]
     assert "bootstrap" in second.stdout  # the base policy is reused, not retrained
-    assert "reusing it" in second.stderr + second.stdout
+    assert all("reusing it" in run.stderr + run.stdout for run in (first, second))
 
     # The second run's traffic went to MLflow (the default), the first run's to landing files.
     assert _landed(home) == landed_before_second
