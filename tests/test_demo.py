@@ -200,9 +200,10 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
     for r in (row, row2):
         stages = r["breakdown"]["stages"]
         assert stages["rollouts"]["wall_s"] >= stages["rollouts"]["compute_s"] > 0, stages["rollouts"]
-        learned_something = r["informative_samples"] > 0  # else the learner had nothing to train on
+        # a step on informative groups is counted; without any, the learner may still train the
+        # anchors of all-pass groups and rehearsal rows, or nothing
         assert stages["policy_checkpoint"]["wall_s"] >= stages["policy_checkpoint"]["compute_s"] >= 0
-        assert (stages["policy_checkpoint"]["compute_s"] > 0) == learned_something, stages["policy_checkpoint"]
+        assert stages["policy_checkpoint"]["compute_s"] > 0 or r["informative_samples"] == 0, stages["policy_checkpoint"]
         assert stages["eval_report"]["wall_s"] >= stages["eval_report"]["compute_s"] > 0, stages["eval_report"]
         assert 0 < r["breakdown"]["ratio"] <= 1
     metrics = c.get_run(row2["mlflow_run_id"]).data.metrics
