@@ -85,9 +85,14 @@ def _weighted(**fields) -> dict:
     return _rollouts(**(WEIGHTED_CURRICULUM | fields))
 
 
+def _gate(**fields) -> dict:
+    """The defaults with the given eval_report (deploy gate) settings changed (nothing else)."""
+    return {"perpetua_cycle": {"ops": {"eval_report": {"config": fields}}}}
+
+
 def _no_learned_guard(config: dict) -> dict:
     """`config` with the deploy gate guarding the bootstrap families alone (learned_rate None)."""
-    return deep_merge(config, {"perpetua_cycle": {"ops": {"eval_report": {"config": {"learned_rate": None}}}}})
+    return deep_merge(config, _gate(learned_rate=None))
 
 
 def _overrides(**fields) -> dict:
@@ -352,7 +357,7 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                   "families the champion has learned)", _no_learned_guard({})),
     "defaults-learned-margin-0.1": ("defaults with the learned drift families guarded within the bootstrap "
                                     "families' margin (0.1) instead of 0.2",
-                                    {"perpetua_cycle": {"ops": {"eval_report": {"config": {"learned_margin": 0.1}}}}}),
+                                    _gate(learned_margin=0.1)),
     "defaults+first-round-yield": ("defaults with the first round cut to the likeliest tasks that promise 60% of "
                                    "their groups with signal (at least 8 groups)", _rollouts(first_round_yield=0.6)),
 }

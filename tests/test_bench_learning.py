@@ -13,6 +13,7 @@ import pytest
 
 from assets.cycle import CYCLE_JOB
 from assets.policy_checkpoint import PolicyCheckpointConfig, _learner_config
+from ops.evaluate.gate import GateConfig
 from pipelines import bench_learning, demo
 from pipelines.cli import main
 
@@ -24,7 +25,7 @@ def test_every_configuration_is_a_valid_run_config(name):
     config = bench_learning.row_config(name).get(CYCLE_JOB, {})
     assert set(bench_learning.row_config(name)) <= {CYCLE_JOB}
     # only the rows measured with it run with the gate that guards learned drift families
-    learned_rate = config.get("ops", {}).get("eval_report", {}).get("config", {}).get("learned_rate", 0.8)
+    learned_rate = config.get("ops", {}).get("eval_report", {}).get("config", {}).get("learned_rate", GateConfig().learned_rate)
     assert (learned_rate is not None) == (name in bench_learning.LEARNED_GUARD_ROWS)
     dg.validate_run_config(defs.resolve_job_def(CYCLE_JOB), config)
     # the learner config the asset builds from it is valid (learner_overrides_json holds LearnerConfig fields)

@@ -15,6 +15,7 @@ from ops.tasks import task_world
 from ops.harvest import contract as traces
 from ops.common.paths import Home
 from ops.harvest.simulator import Traffic, failure_rates
+from scripted_engine import ScriptedEngine
 
 
 def _free_port() -> int:
@@ -110,25 +111,21 @@ def test_simulate_without_a_champion_is_a_clear_error(perpetua_home, capsys):
     assert "no champion to serve" in capsys.readouterr().err
 
 
-class _GlitchingEngine:
-    """A scripted engine whose version reading fails (reads None) at the given reads, or whose
-    served version becomes `refit_to` from a read on: a loaded machine's dropped /weight_info
-    answer, or a deploy that refits the server mid-run."""
+class _GlitchingEngine(ScriptedEngine):
+    """A scripted engine (it answers "ANSWER 0") whose version reading fails (reads None) at the
+    given readings, or whose served version becomes `refit_to` from a reading on: a loaded
+    machine's dropped /weight_info answer, or a deploy that refits the server mid-run."""
 
-    def __new__(cls, tokenizer, none_at=(), refit_at=None, refit_to=4):
-        from scripted_engine import ScriptedEngine
+    def __init__(self, tokenizer, none_at=(), refit_at=None, refit_to=4):
+        super().__init__(tokenizer, lambda prompt, r: "ANSWER 0\n", version=3)
+        self.none_at, self.refit_at, self.refit_to, self.reads = set(none_at), refit_at, refit_to, 0
 
-        class Engine(ScriptedEngine):
-            reads = 0
-
-            @property
-            def policy_version(self):
-                Engine.reads += 1
-                if refit_at is not None and Engine.reads >= refit_at:
-                    return refit_to
-                return None if Engine.reads in none_at else self.version
-
-        return Engine(tokenizer, lambda prompt, r: "ANSWER 0\n", version=3)
+    @property
+    def policy_version(self):
+        self.reads += 1
+        if self.refit_at is not None and self.reads >= self.refit_at:
+            return self.refit_to
+        return None if self.reads in self.none_at else self.version
 
 
 def _tokenizer(tmp_path):

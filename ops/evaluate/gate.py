@@ -34,7 +34,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field
 
 from ops.evaluate.paired import PairedComparison, compare
-from ops.evaluate.statistics import EvalStatsError, TaskSamples, eval_set_hash
+from ops.evaluate.statistics import EvalStatsError, TaskSamples, eval_set_hash, pass_at_k
 
 
 class GateConfig(BaseModel):
@@ -175,8 +175,7 @@ def _learned(cand: Sequence[TaskSamples], champ: Sequence[TaskSamples], guarded:
     by_cand, by_champ = _by_family(cand), _by_family(champ)
     out, reasons = [], []
     for family in sorted(set(by_champ) - guarded):
-        rate = _pass_rate(by_champ[family])
-        if rate < cfg.learned_rate:
+        if pass_at_k(by_champ[family], 1) < cfg.learned_rate:
             continue
         c = compare(by_cand[family], by_champ[family], cfg.alpha)
         out.append(FamilyGuard(family=family, n_tasks=c.n_tasks, vs_champion=c, vs_reference=None,
@@ -190,11 +189,6 @@ def _learned(cand: Sequence[TaskSamples], champ: Sequence[TaskSamples], guarded:
                        f"{cfg.learned_rate:.0%} or more on the deciding set) non-inferior to the champion within a "
                        f"margin of {cfg.learned_margin}.")
     return out, reasons
-
-
-def _pass_rate(samples: Sequence[TaskSamples]) -> float:
-    n = sum(s.n for s in samples)
-    return sum(s.successes for s in samples) / n if n else 0.0
 
 
 def _by_family(samples: Sequence[TaskSamples]) -> dict[str, list[TaskSamples]]:
