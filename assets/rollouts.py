@@ -44,6 +44,9 @@ class RolloutsConfig(dg.Config):
     eval_prior: bool = Field(default=False, description="Curriculum: a family's pass rate is the sampling policy's "
                              "own on the eval sets of the newest cycle report that scored it (else the rollout "
                              "history's), so a family the deployed candidate learned is known to be solved.")
+    own_policy: bool = Field(default=False, description="Curriculum: estimates are the sampling policy's own: a "
+                             "task's record counts only its groups; a family's is its groups', else its eval rates "
+                             "(newest report that scored it), else older policies' groups.")
     failure_prior: bool = Field(default=True, description="Curriculum: a task harvested from a new production "
                                 "failure, and each variant generated from it, counts that failure as one failed "
                                 "sample of its own.")
@@ -107,7 +110,8 @@ def dynamic_config(config: RolloutsConfig) -> DynamicSamplingConfig:
         rehearsal_tasks=config.rehearsal_tasks, rehearsal_pass_rate=config.rehearsal_pass_rate,
         rehearsal_family_share=config.rehearsal_family_share,
         curriculum=CurriculumConfig(enabled=config.curriculum, min_weight=config.replay_weight,
-                                    eval_prior=config.eval_prior, round_feedback=config.round_feedback,
+                                    eval_prior=config.eval_prior, own_policy=config.own_policy,
+                                    round_feedback=config.round_feedback,
                                     group_prior=config.group_prior, failure_prior=config.failure_prior,
                                     forget_trained=config.forget_trained, greedy=config.greedy))
 
@@ -131,11 +135,12 @@ def sample_iteration(context, config: RolloutsConfig, trainer_server: PolicyServ
         context.log.info(f"max_tokens {config.max_tokens} raised to {max_tokens}: {env.name}'s solutions need it")
     sampling = SamplingConfig(group_size=config.group_size, temperature=config.temperature, top_p=config.top_p,
                               max_tokens=max_tokens, seed=config.seed + ITERATION_SEED_STRIDE * (iteration - 1))
-    history = read_history(data, cycle, dynamic.curriculum.history_cycles, current_iterations=iteration - 1,
-                           forget_trained=dynamic.curriculum.forget_trained)
-    if dynamic.curriculum.eval_prior:
-        history = with_evaluated_families(history, data, version, cycle)
-    if dynamic.curriculum.failure_prior:
+    curriculum = dynamic.curriculum
+    history = read_history(data, cycle, curriculum.history_cycles, current_iterations=iteration - 1,
+                           forget_trained=curriculum.forget_trained, sampler=version if curriculum.own_policy else None)
+    if curriculum.eval_prior or curriculum.own_policy:
+        history = with_evaluated_families(history, data, version, cycle, missing_only=not curriculum.eval_prior)
+    if curriculum.failure_prior:
         history = with_production_failures(history, new_failure_ids())
     truth = load_ground_truth(data)
     try:

@@ -360,10 +360,17 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                     _gate(learned_margin=0.1)),
     "defaults+first-round-yield": ("defaults with the first round cut to the likeliest tasks that promise 60% of "
                                    "their groups with signal (at least 8 groups)", _rollouts(first_round_yield=0.6)),
+    "defaults+own-policy": ("defaults with the curriculum's estimates the sampling policy's own: task records of its "
+                            "groups alone, a family's rate from its groups, else its eval, else older policies' groups",
+                            _rollouts(own_policy=True)),
+    "defaults+own-policy+first-round-yield": ("defaults+own-policy with the first round cut to the likeliest tasks "
+                                              "that promise 60% of their groups with signal (at least 8 groups)",
+                                              _rollouts(own_policy=True, first_round_yield=0.6)),
 }
 # The rows measured with the gate that guards the drift families the champion has learned; every
 # other row was measured before it and keeps the gate it had.
-LEARNED_GUARD_ROWS = frozenset({"defaults", "defaults-learned-margin-0.1", "defaults+first-round-yield"})
+LEARNED_GUARD_ROWS = frozenset({"defaults", "defaults-learned-margin-0.1", "defaults+first-round-yield",
+                                "defaults+own-policy", "defaults+own-policy+first-round-yield"})
 BASELINE, CANDIDATE = "plain", "defaults"
 
 

@@ -29,6 +29,12 @@ project already knows of each task, read from the stored rollouts and rewards of
   (`with_production_failures`): the policy does not always solve it;
 - a task whose reference solution a cycle trained on (with `forget_trained`) starts a new record
   after that cycle: the failures that got it guided or rehearsed were the older policy's;
+- with `own_policy`, the estimates are those of the policy that samples now: a task's record
+  counts only the groups that policy sampled (and this cycle's), since a task an older policy
+  failed is often one the deployed candidate learned; a family's rate and group shares are its
+  own groups' where it has some in the window, else its rates on the eval sets of the newest
+  report that scored it (a policy just deployed has no groups yet), else the older policies'
+  groups, and 0.5 with none of these;
 - within a cycle, with `round_feedback`, a refill round (ops/rollout/dynamic.py) chooses knowing
   what the earlier rounds found (`with_round`): their groups join the task records, and the
   cycle's own samples set the rate of each family they sampled, so a family the policy solves
@@ -80,6 +86,10 @@ class CurriculumConfig(BaseModel):
         bool, Field(description="A family's rate is the sampling policy's own per-family pass rate on the eval sets "
                     "of the newest cycle report that scored it, where there is one; otherwise the rollout history's")
     ] = False
+    own_policy: Annotated[
+        bool, Field(description="Task records count only the sampling policy's own groups; a family's record is its own "
+                    "groups', else its eval rates from the newest report that scored it, else older policies' groups")
+    ] = False
     round_feedback: Annotated[
         bool, Field(description="A refill round chooses knowing the earlier rounds of its cycle: their groups join "
                     "the task records and the cycle's own samples set the rates of the families they sampled")
@@ -121,6 +131,7 @@ class History:
     families: dict[str, TaskRecord]
     cycles: tuple[int, ...]
     evaluated: frozenset[str] = frozenset()  # families whose record is the sampling policy's eval
+    stale: frozenset[str] = frozenset()  # families whose record is older policies' groups only (own_policy)
 
     def family_rate(self, family: str) -> float:
         rec = self.families.get(family)
@@ -139,7 +150,7 @@ EMPTY_HISTORY = History({}, {}, ())
 
 
 def read_history(data_dir: Path, before_cycle: int, cycles: int, current_iterations: int = 0,
-                 forget_trained: bool = False) -> History:
+                 forget_trained: bool = False, sampler: int | None = None) -> History:
     """Per task and per family: policy samples and passes over the last `cycles` stored cycles
     before `before_cycle` that have both rollouts and rewards (every on-policy iteration of each),
     and over the first `current_iterations` iterations of `before_cycle` itself (a later iteration
@@ -149,28 +160,37 @@ def read_history(data_dir: Path, before_cycle: int, cycles: int, current_iterati
     after it: the step trained on its solution, so its earlier failures (the reason it was
     guided) no longer describe the policy. Measured over two cycles of an 8-cycle run, 1 of 20
     such tasks gave a group with signal while their records promised 65-89%. Its groups still
-    count for its family."""
+    count for its family.
+
+    With `sampler` (a policy version), only that policy's groups and the groups of `before_cycle`
+    itself make task records, and family records where the family has some; a family sampled in
+    the window by other policies alone keeps their groups and is marked `stale`."""
     done = sorted(set(stored_cycles(data_dir, "rollouts")) & set(stored_cycles(data_dir, "verified_rewards")))
     window = [c for c in done if c < before_cycle][-cycles:]
     tables = [(c, it) for c in window for it in stored_iterations(data_dir, c)]
     tables += [(before_cycle, it) for it in stored_iterations(data_dir, before_cycle) if it <= current_iterations]
-    tasks: dict[str, TaskRecord] = defaultdict(TaskRecord)
-    families: dict[str, TaskRecord] = defaultdict(TaskRecord)
+    tasks: dict[str, TaskRecord] = {}
+    families: dict[str, TaskRecord] = {}
+    older: dict[str, TaskRecord] = {}  # other policies' groups, per family (with a sampler)
     for c, it in tables:
         rollouts = read_table(rollouts_path(data_dir, c, it), ROLLOUTS).select(
-            ["group_id", "sample_index", "task_id", "family", "source"]).to_pylist()
+            ["group_id", "sample_index", "task_id", "family", "source", "policy_version"]).to_pylist()
         rewards = {(r["group_id"], r["sample_index"]): r for r in read_table(rewards_path(data_dir, c, it), REWARDS).select(
             ["group_id", "sample_index", "reward", "infra_failure"]).to_pylist()}
-        scored = []
+        scored, older_scored = [], []
         for row in rollouts:
             reward = rewards.get((row["group_id"], row["sample_index"]))
-            scored.append((row, None if reward is None or reward["infra_failure"] else reward["reward"]))
+            own = sampler is None or c == before_cycle or row["policy_version"] == sampler
+            (scored if own else older_scored).append((row, None if reward is None or reward["infra_failure"]
+                                                      else reward["reward"]))
         _add_groups(tasks, families, scored)
+        _add_groups({}, older, older_scored)
         if forget_trained:
             for row in rollouts:
                 if rollout_source(row) in ("reference", "rehearsal"):
                     tasks.pop(row["task_id"], None)
-    return History(dict(tasks), dict(families), tuple(window))
+    stale = {f: rec for f, rec in older.items() if f not in families}
+    return History(tasks, families | stale, tuple(window), stale=frozenset(stale))
 
 
 def _add_groups(tasks: dict[str, TaskRecord], families: dict[str, TaskRecord],
@@ -216,14 +236,18 @@ def with_production_failures(history: History, task_ids: set[str]) -> History:
     return replace(history, tasks=tasks)
 
 
-def with_evaluated_families(history: History, data_dir: Path, version: int, before_cycle: int) -> History:
+def with_evaluated_families(history: History, data_dir: Path, version: int, before_cycle: int,
+                            missing_only: bool = False) -> History:
     """`history` with the family rates of policy `version` as the newest cycle report before
     `before_cycle` that scored it (as candidate or champion) measured them: passes and tasks per
     family over its deciding and guard sets (one sample per task), and no group shares. Families
     that report did not score, and a policy no report scored (the base policy in cycle 1, a later
     on-policy iteration's weights), keep the rollout history's records. A family no cycle of the
     history sampled would otherwise count as unknown (rate 0.5, the most promising of all): a
-    greedy choice then spent a whole first round on bootstrap families the policy solves."""
+    greedy choice then spent a whole first round on bootstrap families the policy solves.
+
+    With `missing_only`, only the families the history has no own record of (none, or a `stale`
+    one) take the eval's rates: the sampling policy's own groups say more (their group shares)."""
     from ops.evaluate.report import CYCLE, cycle_report_path
 
     for cycle in range(before_cycle - 1, 0, -1):
@@ -245,8 +269,11 @@ def with_evaluated_families(history: History, data_dir: Path, version: int, befo
         # tasks chosen for failing (an eval scores one sample of each held-out task, so none there).
         # An unseen task of the family is then expected what alike tasks at that rate would give,
         # an upper bound on a mixed family's share of groups with differing rewards.
+        if missing_only:
+            evaluated = {f: v for f, v in evaluated.items() if f not in history.families or f in history.stale}
         families.update({family: TaskRecord(attempts=n, passes=k) for family, (n, k) in evaluated.items()})
-        return replace(history, families=families, evaluated=history.evaluated | frozenset(evaluated))
+        return replace(history, families=families, evaluated=history.evaluated | frozenset(evaluated),
+                       stale=history.stale - frozenset(evaluated))
     return history
 
 
