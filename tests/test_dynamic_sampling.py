@@ -285,6 +285,44 @@ def test_eval_prior_gives_a_family_the_rate_the_sampling_policy_scored(tmp_path)
     assert with_evaluated_families(history, tmp_path, version=2, before_cycle=2) == history  # only earlier reports
 
 
+def test_own_policy_estimates_are_the_sampling_policys(tmp_path, tokenizer, screen):
+    """Cycle 1 was sampled by v3, which failed every product; cycle 2 by v4, on additions. With v4
+    sampling cycle 3 and `own_policy`, the products v3 failed have no record (v4 never tried
+    them), `add` keeps v4's groups with their shares, and `mul`, sampled by v3 alone, is stale
+    until v4's eval (cycle 2's report scored v4 at 19/20 on it) takes its place: v3's failures
+    no longer promise a product's group that fails whole and is guided."""
+    from ops.evaluate.report import cycle_report_path, write_report
+    from ops.rollout.curriculum import with_evaluated_families
+
+    engine = ScriptedEngine(tokenizer, add_only)
+    for cycle, version, tasks in ((1, 3, ADD[:2] + MUL[:4]), (2, 4, ADD[2:6])):
+        rows = [r | {"policy_version": version} for r in generate_groups(
+            engine, tokenizer, tasks, SamplingConfig(group_size=4), cycle=cycle, require_version=3).rows]
+        write_table(rows, ROLLOUTS, rollouts_path(tmp_path, cycle))
+        write_table([{"group_id": r["group_id"], "sample_index": r["sample_index"], "task_id": r["task_id"],
+                      "reward": reward, "infra_failure": False} for r, reward in zip(rows, screen(rows))],
+                    REWARDS, rewards_path(tmp_path, cycle))
+    every = read_history(tmp_path, before_cycle=3, cycles=4)
+    own = read_history(tmp_path, before_cycle=3, cycles=4, sampler=4)
+    assert set(every.tasks) == {t.task_id for t in ADD[:6] + MUL[:4]} and not every.stale
+    assert set(own.tasks) == {t.task_id for t in ADD[2:6]}
+    assert own.families["add"] == TaskRecord(16, 16, groups=4) and own.families["mul"] == every.families["mul"]
+    assert own.stale == {"mul"}
+    assert read_history(tmp_path, before_cycle=3, cycles=4, sampler=3).stale == set()  # v3 sampled both families
+    scored = {"deciding": {"per_family": {"mul": {"n": 20, "successes": 19}, "add": {"n": 20, "successes": 10}}}}
+    write_report(cycle_report_path(tmp_path, 2), {"kind": "cycle", "cycle": 2, "candidate_version": 4,
+                                                  "champion_version": 3, "candidate": scored, "champion": {}})
+    fresh = with_evaluated_families(own, tmp_path, version=4, before_cycle=3, missing_only=True)
+    assert fresh.families["mul"] == TaskRecord(20, 19) and fresh.evaluated == {"mul"} and not fresh.stale
+    assert fresh.families["add"] == own.families["add"]  # its own groups say more than the eval
+    cfg = CurriculumConfig(own_policy=True)
+    (before,) = choose_tasks([MUL[0]], 1, every, cfg, guide_after=1, group_size=8, seed="s")
+    (after,) = choose_tasks([MUL[0]], 1, fresh, cfg, guide_after=1, group_size=8, seed="s")
+    assert before.pass_rate < 0.1 < 0.9 < after.pass_rate and after.weight < before.weight
+    # v3's all-fail group promised another, to be guided; v4 fails none of its 20 products that often
+    assert (before.fail_streak, after.fail_streak) == (1, 0) and after.fail_chance < 0.01 < 0.8 < before.fail_chance
+
+
 def half_mul(prompt: str, r) -> str:
     """Solves additions; a product right on about half its samples (by the request's seed)."""
     lines = prompt.rstrip("\n").split("\n")
