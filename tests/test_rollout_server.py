@@ -251,6 +251,11 @@ def test_supervisor_lifecycle_on_a_small_http_server(tmp_path):
         with pytest.raises(Err, match="exited with code 2"):
             supervisor.start(svc(bad), "127.0.0.1", bad, launch_on(bad, "--no-such-flag"), ready_on(bad), timeout_s=30)
         assert "no-such-flag" in supervisor.tail(svc(bad).log_file)
+        ended = _free_port()  # a server another process ends during its start-up is named so
+        suicide = lambda: supervisor.Launch([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"],  # noqa: E731
+                                            tmp_path)
+        with pytest.raises(Err, match=r"was ended by SIGTERM \(exit code -15\) during start-up"):
+            supervisor.start(svc(ended), "127.0.0.1", ended, suicide, ready_on(ended), timeout_s=30)
 
         def broken(pid, url, s):
             raise Err("set-up failed")

@@ -143,7 +143,7 @@ def start(
         while not svc.health(url, 1.0):
             if proc.poll() is not None:
                 raise svc.error(how.failure(proc.returncode) if how.failure else
-                                f"{svc.name} exited with code {proc.returncode} during start-up; log {svc.log_file}: {tail(svc.log_file)}")
+                                f"{svc.name} {exit_reason(proc.returncode)} during start-up; log {svc.log_file}: {tail(svc.log_file)}")
             if time.monotonic() > deadline:
                 raise svc.error(f"{svc.name} not healthy after {timeout_s:.0f} s; log {svc.log_file}: {tail(svc.log_file)}")
             time.sleep(poll_s)
@@ -157,6 +157,17 @@ def start(
             pass
         raise
     return info
+
+
+def exit_reason(code: int) -> str:
+    """How a process ended, from its Popen return code: a signal by name (another process ended
+    it, or the OOM killer: SIGKILL), else the exit code."""
+    if code < 0:
+        try:
+            return f"was ended by {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            pass
+    return f"exited with code {code}"
 
 
 def spawn(how: Launch, log_file: Path) -> subprocess.Popen:

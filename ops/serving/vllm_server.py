@@ -128,7 +128,7 @@ def start_failure(code: int, log_path: Path, env: dict[str, str]) -> str:
         )
     if "address already in use" in low:
         return f"vLLM server exited with code {code}: its port is taken; choose another port. Log {log_path}: {tail}"
-    return f"vLLM server exited with code {code} during start-up; log {log_path}: {tail}"
+    return f"vLLM server {supervisor.exit_reason(code)} during start-up; log {log_path}: {tail}"
 
 
 def recorded_ports(h: Home | None = None) -> list[int]:
