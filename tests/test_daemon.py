@@ -179,7 +179,7 @@ def test_two_cycles_requested_at_once_run_one_after_the_other(daemon_home):
 
         rows = [cycle_row(c, run, {}, None, 0.0) for c, run in zip((2, 1), finished)]
         for row in rows:
-            assert row["run_outcome"] in ("success", "gate-blocked"), row
+            assert row["run_outcome"] in ("success", "gate-blocked"), (row["cycle"], row["run_error"])
         # Each cycle numbered its candidate after the newest: nothing written twice.
         assert [r["policy_version"] for r in rows] == [1, 2]
         assert all(policies.hf_dir(v).joinpath("config.json").exists() for v in (1, 2))

@@ -256,6 +256,20 @@ def test_supervisor_lifecycle_on_a_small_http_server(tmp_path):
                                             tmp_path)
         with pytest.raises(Err, match=r"was ended by SIGTERM \(exit code -15\) during start-up"):
             supervisor.start(svc(ended), "127.0.0.1", ended, suicide, ready_on(ended), timeout_s=30)
+        # ... and with a restart allowed it is started again once: here the first start is ended,
+        # the second serves; one that exits by itself is not restarted
+        marker = tmp_path / "ended-once"
+        once = f"import os, pathlib, runpy, signal, sys; m = pathlib.Path({str(marker)!r}); " \
+               f"m.exists() or (m.touch(), os.kill(os.getpid(), signal.SIGTERM)); " \
+               f"sys.argv = ['http.server', '--bind', '127.0.0.1', '{ended}']; runpy.run_module('http.server', run_name='__main__')"
+        restarted = supervisor.start(svc(ended), "127.0.0.1", ended, lambda: supervisor.Launch([sys.executable, "-c", once, "http.server"], tmp_path),
+                                     ready_on(ended), timeout_s=30, restarts=1)
+        assert marker.exists() and supervisor.status(svc(ended)).pid == restarted.pid
+        assert "was ended by SIGTERM (exit code -15) during start-up; starting it again" in svc(ended).log_file.read_text()
+        supervisor.stop(svc(ended), grace_s=5)
+        with pytest.raises(Err, match="exited with code 2"):
+            supervisor.start(svc(bad), "127.0.0.1", bad, launch_on(bad, "--no-such-flag"), ready_on(bad), timeout_s=30,
+                             restarts=1)
 
         def broken(pid, url, s):
             raise Err("set-up failed")

@@ -125,7 +125,9 @@ def start(h: Home, *, nproc_per_node: int = 1, expert_parallel: int = 1, timeout
     def ready(pid: int, url: str, _seconds: float) -> LearnerService:
         return LearnerService(url, pid, port, nproc_per_node, expert_parallel, str(log_file(h)))
 
-    return supervisor.start(service(h), HOST, port, launch, ready, timeout_s)
+    # The service is warm state, not work: one ended from outside while it starts (measured: a
+    # SIGTERM of unknown origin on a loaded machine) is started again rather than failing the step.
+    return supervisor.start(service(h), HOST, port, launch, ready, timeout_s, restarts=1)
 
 
 def stop(h: Home, grace_s: float = 10.0) -> bool:

@@ -106,6 +106,7 @@ def start(
     ready: Callable[[int, str, float], R],
     timeout_s: float,
     poll_s: float = 0.5,
+    restarts: int = 0,
 ) -> R:
     """Reuse the healthy server of `svc`, else start one and return once it is healthy.
 
@@ -113,6 +114,8 @@ def start(
     `ready(pid, url, start_seconds)` finishes a healthy server's set-up and returns its record,
     which the pid file then holds. A server that fails to come up, or whose `ready` raises, is
     ended rather than left running unrecorded, and so is one interrupted (Ctrl-C) mid-start.
+    A server ended by a signal during its start-up (another process's SIGTERM, the OOM killer)
+    is started again, up to `restarts` times; one that exits by itself is not (it would again).
     """
     require_local(svc, host)
     running = status(svc)
@@ -141,7 +144,12 @@ def start(
     try:
         deadline = began + timeout_s
         while not svc.health(url, 1.0):
-            if proc.poll() is not None:
+            if proc.poll() is not None and proc.returncode < 0 and restarts > 0:
+                with open(svc.log_file, "ab") as log:
+                    log.write(f"{svc.name} {exit_reason(proc.returncode)} during start-up; starting it again\n".encode())
+                proc = spawn(how, svc.log_file)
+                restarts -= 1
+            elif proc.poll() is not None:
                 raise svc.error(how.failure(proc.returncode) if how.failure else
                                 f"{svc.name} {exit_reason(proc.returncode)} during start-up; log {svc.log_file}: {tail(svc.log_file)}")
             if time.monotonic() > deadline:
