@@ -252,15 +252,17 @@ def test_supervisor_lifecycle_on_a_small_http_server(tmp_path):
             supervisor.start(svc(bad), "127.0.0.1", bad, launch_on(bad, "--no-such-flag"), ready_on(bad), timeout_s=30)
         assert "no-such-flag" in supervisor.tail(svc(bad).log_file)
         ended = _free_port()  # a server another process ends during its start-up is named so
-        suicide = lambda: supervisor.Launch([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"],  # noqa: E731
-                                            tmp_path)
+        # (SIGTERM's default action first: a child inherits an ignored SIGTERM, which the test
+        # session may have, e.g. Dagster maps it to SIGINT's disposition in-process)
+        term = "import os, signal; signal.signal(signal.SIGTERM, signal.SIG_DFL); os.kill(os.getpid(), signal.SIGTERM)"
+        suicide = lambda: supervisor.Launch([sys.executable, "-c", term], tmp_path)  # noqa: E731
         with pytest.raises(Err, match=r"was ended by SIGTERM \(exit code -15\) during start-up"):
             supervisor.start(svc(ended), "127.0.0.1", ended, suicide, ready_on(ended), timeout_s=30)
         # ... and with a restart allowed it is started again once: here the first start is ended,
         # the second serves; one that exits by itself is not restarted
         marker = tmp_path / "ended-once"
         once = f"import os, pathlib, runpy, signal, sys; m = pathlib.Path({str(marker)!r}); " \
-               f"m.exists() or (m.touch(), os.kill(os.getpid(), signal.SIGTERM)); " \
+               f"signal.signal(signal.SIGTERM, signal.SIG_DFL); m.exists() or (m.touch(), os.kill(os.getpid(), signal.SIGTERM)); " \
                f"sys.argv = ['http.server', '--bind', '127.0.0.1', '{ended}']; runpy.run_module('http.server', run_name='__main__')"
         restarted = supervisor.start(svc(ended), "127.0.0.1", ended, lambda: supervisor.Launch([sys.executable, "-c", once, "http.server"], tmp_path),
                                      ready_on(ended), timeout_s=30, restarts=1)
