@@ -89,7 +89,7 @@ def start(h: Home, timeout_s: float = START_TIMEOUT_S, workspace: Path = WORKSPA
     try:
         while not _healthy_since(h, began):
             if proc.poll() is not None:
-                raise DaemonError(f"the Dagster daemon exited with code {proc.returncode} during start-up; "
+                raise DaemonError(f"the Dagster daemon {supervisor.exit_reason(proc.returncode)} during start-up; "
                                   f"log {svc.log_file}: {supervisor.tail(svc.log_file)}")
             if time.time() - began > timeout_s:
                 raise DaemonError(f"the Dagster daemon sent no heartbeat within {timeout_s:.0f} s; "

@@ -144,14 +144,15 @@ def start(
     try:
         deadline = began + timeout_s
         while not svc.health(url, 1.0):
-            if proc.poll() is not None and proc.returncode < 0 and restarts > 0:
+            if proc.poll() is not None:
+                if proc.returncode >= 0 or restarts == 0:
+                    raise svc.error(how.failure(proc.returncode) if how.failure else
+                                    f"{svc.name} {exit_reason(proc.returncode)} during start-up; log {svc.log_file}: {tail(svc.log_file)}")
+                kill_group(proc.pid, grace_s=5.0)  # workers the ended leader left behind, as below
                 with open(svc.log_file, "ab") as log:
                     log.write(f"{svc.name} {exit_reason(proc.returncode)} during start-up; starting it again\n".encode())
                 proc = spawn(how, svc.log_file)
                 restarts -= 1
-            elif proc.poll() is not None:
-                raise svc.error(how.failure(proc.returncode) if how.failure else
-                                f"{svc.name} {exit_reason(proc.returncode)} during start-up; log {svc.log_file}: {tail(svc.log_file)}")
             if time.monotonic() > deadline:
                 raise svc.error(f"{svc.name} not healthy after {timeout_s:.0f} s; log {svc.log_file}: {tail(svc.log_file)}")
             time.sleep(poll_s)
