@@ -132,7 +132,7 @@ class PolicyLineage(dg.ConfigurableResource):
     `latest` (default): the newest exported policy, blocked or not: training runs on and the gate
     only decides deployment. Learning a new family can pass through a candidate the guard refuses
     (it trades another family or a few guard tasks on the way), and the next cycle's step then
-    finishes what that one started instead of starting again (README, "The study settings as
+    finishes what that one started instead of starting again (docs/learning.md, "The study settings as
     defaults"). Production still serves only candidates that passed the gate.
     `champion`: the deployed champion (the base policy until the first deploy) samples the
     cycle's rollouts and the learner continues from its checkpoint, so a candidate the gate

@@ -16,9 +16,9 @@ the exact McNemar test with one sample per task, a task-clustered paired bootstr
   gives up much of a learned family. The margin is wider than the guard set's: while the
   learner takes in a new family it loses a little of a near one for a cycle or two and then
   wins it back, and holding the old champion through those cycles costs production more than
-  it saves (measured: README, "The gate and learned families"). The families are picked by the
-  champion's outcomes on these very tasks, which can only make the check stricter (a family at
-  its lucky best is guarded), never let a regression through.
+  it saves (measured: docs/learning.md, "The gate and learned families"). The families are
+  picked by the champion's outcomes on these very tasks, which can only make the check stricter
+  (a family at its lucky best is guarded), never let a regression through.
 
 The sets must be the same for both sides (same task ids); otherwise the scores are not
 comparable and the gate blocks. `reasons` are sentences for the Dagster check's metadata, one per
