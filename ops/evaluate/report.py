@@ -105,6 +105,12 @@ def read_cycle_report(data_dir: Path, cycle: int, run_ids: set[str]) -> dict:
     return report
 
 
+def cycle_reports(data_dir: Path) -> list[dict]:
+    """Every stored eval report (cycle reports and rescored ones alike), oldest cycle first."""
+    paths = sorted(Path(data_dir).joinpath("eval_report").glob("cycle=*.json"), key=lambda p: int(p.stem.split("=", 1)[1]))
+    return [json.loads(p.read_text()) for p in paths]
+
+
 def worse_streak(data_dir: Path, version: int) -> int:
     """How many cycles in a row, newest first, the gate blocked a candidate that was worse than the
     champion on the deciding set (the gain's confidence interval entirely below 0), when `version`
@@ -112,11 +118,8 @@ def worse_streak(data_dir: Path, version: int) -> int:
     or one blocked for another reason: no gain, or a guard family's regression while learning
     another, which the next cycle may repair). A cycle without a report neither counts nor breaks
     the streak."""
-    reports = sorted((p for p in (Path(data_dir) / "eval_report").glob("cycle=*.json")),
-                     key=lambda p: int(p.stem.split("=", 1)[1]), reverse=True)
     streak = 0
-    for path in reports:
-        report = json.loads(path.read_text())
+    for report in reversed(cycle_reports(data_dir)):
         blocked = report.get("kind") == CYCLE and not (report.get("gate") or {}).get("passed", True)
         if not blocked or not report.get("gain_ci") or report["gain_ci"][1] >= 0:
             break

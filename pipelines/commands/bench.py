@@ -17,6 +17,8 @@ BENCHES = {
     "harvest": ("ops.bench.harvest", "validating harvester vs a plain pyarrow.dataset scan (records/s, peak memory)"),
     "learning": ("pipelines.bench_learning", "ablation of the learning settings: demos from the same base, seeds and "
                  "fresh traffic (final failure rate of the plain loop / of the defaults)"),
+    "hold": ("pipelines.bench_hold", "every policy that served after a cycle of this home on the same fresh traffic, "
+             "each change paired with the policy before it (failure rate before the first cycle / after the last)"),
     "cycle": ("pipelines.bench_cycle", "demo cycles broken down per stage into engine compute and everything else "
               "(engine compute seconds / cycle wall seconds)"),
 }
@@ -34,8 +36,10 @@ def add_arguments(p) -> None:
                         "learner service kept up between cycles; local: a torchrun per step)")
     p.add_argument("--only", metavar="NAMES", help="learning only: comma-separated configurations to run (default all)")
     p.add_argument("--seed", type=int, default=0,
-                   help="learning only: the demos' seed of production traffic and rollout sampling (default 0); "
-                        "each seed's homes are apart (NAME-seed-N)")
+                   help="learning: the demos' seed of production traffic and rollout sampling (default 0); "
+                        "each seed's homes are apart (NAME-seed-N). hold: which fresh traffic sample (default 0)")
+    p.add_argument("--requests", type=int, default=480,
+                   help="hold only: requests of the fresh traffic every serving policy is sent (default 480)")
     p.add_argument("--hacks", action="store_true",
                    help="verify only: run the reward-hacking suite (every attack must score 0 and be flagged, "
                         "the honest responses 1) instead of the speed bench")
@@ -55,14 +59,18 @@ def run(args) -> int:
         raise UserError("--base belongs to `perpetua bench cycle` and `perpetua bench learning`")
     if args.base is not None and not (args.base / "hf" / "config.json").is_file():
         raise UserError(f"--base {args.base}: no base policy there (expected a home's models/base, with hf/config.json)")
-    if args.seed and args.name != "learning":
-        raise UserError("--seed belongs to `perpetua bench learning`")
+    if args.seed and args.name not in ("learning", "hold"):
+        raise UserError("--seed belongs to `perpetua bench learning` and `perpetua bench hold`")
+    if args.requests != 480 and args.name != "hold":
+        raise UserError("--requests belongs to `perpetua bench hold`")
     if args.learner is not None and args.name != "cycle":
         raise UserError("--learner belongs to `perpetua bench cycle`")
     if args.name == "learning":
         return _learning(module, args)
     if args.name == "cycle":
         return _cycle(module, args)
+    if args.name == "hold":
+        return _hold(module, args)
     result = module.run_bench()
     if args.json:
         print_json(result)
@@ -94,6 +102,22 @@ def _cycle(module, args) -> int:
         result = module.run_bench(cycles=args.cycles, base=args.base, launcher=args.learner,
                                   log=lambda m: print(m, file=sys.stderr, flush=True))
     except (ValueError, RuntimeError) as e:
+        raise UserError(str(e)) from None
+    if args.json:
+        print_json(result)
+    else:
+        print(module.format_table(result))
+    return 0
+
+
+def _hold(module, args) -> int:
+    from ops.rollout.engine import RolloutEngineError
+    from ops.serving.vllm_server import VllmServerError
+
+    try:
+        result = module.run_bench(requests=args.requests, seed=args.seed,
+                                  log=lambda m: print(m, file=sys.stderr, flush=True))
+    except (ValueError, RuntimeError, VllmServerError, RolloutEngineError) as e:
         raise UserError(str(e)) from None
     if args.json:
         print_json(result)
