@@ -50,6 +50,9 @@ class RolloutsConfig(dg.Config):
     failure_prior: bool = Field(default=True, description="Curriculum: a task harvested from a new production "
                                 "failure, and each variant generated from it, counts that failure as one failed "
                                 "sample of its own.")
+    failure_prior_variants: bool = Field(default=True, description="Curriculum, with failure_prior: the variants "
+                                         "generated from a new failure count it too (False: only the harvested "
+                                         "task does; a variant is then expected what its family's rate predicts).")
     group_prior: bool = Field(default=True, description="Curriculum: a task not seen before is expected to give a "
                               "group with signal as often as its family's recent groups did (not as its family's "
                               "mean pass rate predicts for alike tasks).")
@@ -141,7 +144,7 @@ def sample_iteration(context, config: RolloutsConfig, trainer_server: PolicyServ
     if curriculum.eval_prior or curriculum.own_policy:
         history = with_evaluated_families(history, data, version, cycle, missing_only=not curriculum.eval_prior)
     if curriculum.failure_prior:
-        history = with_production_failures(history, new_failure_ids())
+        history = with_production_failures(history, new_failure_ids(variants=config.failure_prior_variants))
     truth = load_ground_truth(data)
     try:
         sandbox = Sandbox()

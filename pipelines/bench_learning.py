@@ -366,11 +366,15 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "defaults+own-policy+first-round-yield": ("defaults+own-policy with the first round cut to the likeliest tasks "
                                               "that promise 60% of their groups with signal (at least 8 groups)",
                                               _rollouts(own_policy=True, first_round_yield=0.6)),
+    "defaults+own-policy+first-round-yield+failures-only": (
+        "defaults+own-policy+first-round-yield with only the harvested failure counted in a task's estimate, "
+        "not in its variants'", _rollouts(own_policy=True, first_round_yield=0.6, failure_prior_variants=False)),
 }
 # The rows measured with the gate that guards the drift families the champion has learned; every
 # other row was measured before it and keeps the gate it had.
 LEARNED_GUARD_ROWS = frozenset({"defaults", "defaults-learned-margin-0.1", "defaults+first-round-yield",
-                                "defaults+own-policy", "defaults+own-policy+first-round-yield"})
+                                "defaults+own-policy", "defaults+own-policy+first-round-yield",
+                                "defaults+own-policy+first-round-yield+failures-only"})
 BASELINE, CANDIDATE = "plain", "defaults"
 
 

@@ -166,6 +166,7 @@ def test_variants_widen_each_new_failure_within_the_train_split(perpetua_home):
 
     # the rollouts' failure prior counts each new failure's variants too: the same gap, widened
     assert new_failure_ids() == {r["task_id"] for r in new + variants}
+    assert new_failure_ids(variants=False) == {r["task_id"] for r in new}  # `failure_prior_variants` off
 
 
 def test_failures_of_a_set_no_learner_trained_on_stay_new(perpetua_home):

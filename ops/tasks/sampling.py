@@ -20,14 +20,16 @@ def train_tasks(home: Home | None = None) -> list[Task]:
     return [Task.from_dict(r) for r in sorted(_train_rows(home), key=lambda r: r["task_id"])]
 
 
-def new_failure_ids(home: Home | None = None) -> set[str]:
+def new_failure_ids(home: Home | None = None, variants: bool = True) -> set[str]:
     """The train tasks of the current task set harvested from this generation's production
-    failures, and the variants generated from them (none without a task set). A variant carries
-    its failure's trace ids: it is the same gap of the deployed policy, widened. Measured over an
-    8-cycle run, their groups carried signal 85-89% of the time, the replayed tasks' 15-24%
-    (though in a cycle with little left to learn, 5 of 24 variants of mostly solved families)."""
+    failures, and (with `variants`) the variants generated from them (none without a task set).
+    A variant carries its failure's trace ids: it is the same gap of the deployed policy, widened.
+    Measured over an 8-cycle run, their groups carried signal 85-89% of the time, the replayed
+    tasks' 15-24% (though in a cycle with little left to learn, 5 of 24 variants of mostly solved
+    families)."""
+    sources = ("failure", "variant") if variants else ("failure",)
     try:
-        return {r["task_id"] for r in _train_rows(home) if r["source"] in ("failure", "variant")}
+        return {r["task_id"] for r in _train_rows(home) if r["source"] in sources}
     except NoTrainingTasks:
         return set()
 
