@@ -72,6 +72,13 @@ def compare(before: list[tuple[str, str, bool]], after: list[tuple[str, str, boo
             "gain_ci": [round(test.ci[0], 4), round(test.ci[1], 4)], "worse": test.ci[1] < 0}
 
 
+def by_family(before: list[tuple[str, str, bool]], after: list[tuple[str, str, bool]]) -> dict[str, dict]:
+    """`compare` within each family's requests: which families the change fixed, and whether one
+    got significantly worse (a bootstrap family the loop forgot while it learned the drift)."""
+    families = sorted({f for _, f, _ in before})
+    return {f: compare([r for r in before if r[1] == f], [r for r in after if r[1] == f]) for f in families}
+
+
 def failure_rates(results: list[tuple[str, str, bool]]) -> dict[str, float]:
     """Failure rate per family and `_overall`."""
     by: dict[str, list[int]] = {}
@@ -150,7 +157,7 @@ def run_bench(requests: int = 480, seed: int = 0, log=print) -> dict:
                       "traffic (> 1: the loop left production better)",
               "requests": requests, "traffic_seed": SEED_BASE + seed, "holds": not any(r.get("change", {}).get("worse")
                                                                                      for r in rows),
-              "cycles": rows}
+              "cycles": rows, "first_to_last": by_family(results[history[0][1]], results[history[-1][1]])}
     (out_dir / "result.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -170,6 +177,10 @@ def format_table(result: dict) -> str:
         cells = ["before 1" if r["cycle"] == 0 else str(r["cycle"]), f"v{r['policy_version']}",
                  f"{rates['_overall']:.3f}"] + [f"{rates.get(f, 0):.2f}" for f in families] + [note]
         lines.append("| " + " | ".join(cells) + " |")
+    first, last = result["cycles"][0]["policy_version"], result["cycles"][-1]["policy_version"]
+    lines.append(f"\nv{first} -> v{last} by family (fixed / broken, gain, 90% CI): " + "; ".join(
+        f"{f} {c['fixed']} / {c['broken']}, {c['gain']:+.3f} [{c['gain_ci'][0]:+.3f}, {c['gain_ci'][1]:+.3f}]"
+        + (" worse" if c["worse"] else "") for f, c in result["first_to_last"].items()))
     verdict = "holds" if result["holds"] else "does not hold"
     lines.append(f"\n{result['requests']} requests, traffic seed {result['traffic_seed']}: the loop {verdict} "
                  f"(ratio {result['ratio']})")

@@ -45,6 +45,11 @@ def test_a_change_is_worse_only_when_the_requests_it_broke_outweigh_the_noise():
     with pytest.raises(ValueError, match="same requests"):
         bench_hold.compare(same, same[::-1])
     assert bench_hold.failure_rates(same) == {"add": 0.3333, "_overall": 0.3333}
+    mixed = same[:30] + [(q, "mul", failed) for q, _, failed in same[30:]]
+    broke_mul = mixed[:30] + [(q, f, True) for q, f, _ in mixed[30:]]
+    per_family = bench_hold.by_family(mixed, broke_mul)
+    assert per_family["add"]["broken"] == 0 and not per_family["add"]["worse"]
+    assert per_family["mul"]["broken"] == 20 and per_family["mul"]["worse"]
 
 
 def test_bench_hold_without_cycles_is_a_clear_error(perpetua_home, capsys):
@@ -80,6 +85,9 @@ def test_every_serving_policy_on_the_same_traffic_finds_the_one_that_broke_produ
     # The same weights on the same requests answer the same way: the pairing is sound.
     assert restored["failure_rate"] == base["failure_rate"] and restored["change"]["gain"] > 0
     assert not result["holds"]
+    # base -> base weights again: no family changed
+    assert all(c["fixed"] == c["broken"] == 0 for c in result["first_to_last"].values())
+    assert set(result["first_to_last"]) == {f for f in base["failure_rate"] if f != "_overall"}
     assert sum(1 for _ in (h.root / "bench" / "hold").glob("traffic-v*/*.jsonl")) >= 3
     assert not list(h.landing.glob("*.jsonl"))  # nothing for the loop's harvest
     assert json.loads((h.root / "bench" / "hold" / "result.json").read_text()) == result
