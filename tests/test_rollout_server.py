@@ -313,3 +313,15 @@ def test_parse_completion_is_token_in_token_out():
     resp["choices"][0]["logprobs"]["tokens"] = ["a", "b", "c"]
     with pytest.raises(EngineFailure, match="return_tokens_as_token_ids"):
         parse_completion(resp)
+
+
+def test_a_servers_socket_folder_is_its_own_and_short_enough_for_a_socket(tmp_path):
+    from ops.common.paths import Home
+    from ops.serving import vllm_server
+
+    short = Home(Path("/tmp/h"))
+    assert vllm_server.ipc_dir(short, 8000) == Path("/tmp/h/services/vllm-8000-ipc")
+    deep = Home(tmp_path / ("a-long-test-folder-name" * 4) / "home")
+    folder = vllm_server.ipc_dir(deep, 8000)
+    assert len(str(folder / ("0" * 36))) < 108 and not folder.is_relative_to(deep.root)
+    assert folder == vllm_server.ipc_dir(deep, 8000) != vllm_server.ipc_dir(deep, 8001)  # stop finds it again

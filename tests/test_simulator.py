@@ -57,6 +57,9 @@ def test_simulate_command_against_real_server(perpetua_home, base_policy_dir, ca
         code = main(["simulate", "--model-dir", str(base_policy_dir), "--requests", "48", "--wave-size", "16",
                      "--port", str(port), "--json"])  # fmt: skip
         out = capsys.readouterr().out
+        # the running server's ZeroMQ sockets are in its own folder, not the shared temporary one
+        sockets = vllm_server.ipc_dir(Home(perpetua_home), port)
+        assert any(p.is_socket() for p in sockets.iterdir()), sorted(sockets.iterdir())
         to_mlflow = main(["simulate", "--model-dir", str(base_policy_dir), "--requests", "12", "--wave-size", "6",
                           "--port", str(port), "--json", "--traces", "mlflow", "--seed", "5", "--stop-server"])  # fmt: skip
         mlflow_out = json.loads(capsys.readouterr().out)
@@ -102,6 +105,7 @@ def test_simulate_command_against_real_server(perpetua_home, base_policy_dir, ca
     print("\nfailure rate by family:", {f: (v["rate"], v["requests"]) for f, v in result["by_family"].items()})
     print("drift families by window:", [(r["window"], r["family"], r["rate"]) for r in rates if r["kind"] == "drift"])
     assert not vllm_server.pid_file(Home(perpetua_home), port).exists()
+    assert not sockets.exists()  # `--stop-server` removed them with the server
 
 
 def test_simulate_without_a_champion_is_a_clear_error(perpetua_home, capsys):

