@@ -57,8 +57,10 @@ def test_bench_hold_without_cycles_is_a_clear_error(perpetua_home, capsys):
 
     assert main(["bench", "hold"]) != 0
     assert "no cycle report" in capsys.readouterr().err
-    assert main(["bench", "cycle", "--requests", "10"]) != 0
+    assert main(["bench", "cycle", "--requests", "480"]) != 0
     assert "--requests belongs to `perpetua bench hold`" in capsys.readouterr().err
+    assert main(["bench", "hold", "--requests", "0"]) != 0
+    assert "--requests must be at least 1" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(600)

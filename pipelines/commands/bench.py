@@ -38,7 +38,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="learning: the demos' seed of production traffic and rollout sampling (default 0); "
                         "each seed's homes are apart (NAME-seed-N). hold: which fresh traffic sample (default 0)")
-    p.add_argument("--requests", type=int, default=480,
+    p.add_argument("--requests", type=int,
                    help="hold only: requests of the fresh traffic every serving policy is sent (default 480)")
     p.add_argument("--hacks", action="store_true",
                    help="verify only: run the reward-hacking suite (every attack must score 0 and be flagged, "
@@ -61,7 +61,7 @@ def run(args) -> int:
         raise UserError(f"--base {args.base}: no base policy there (expected a home's models/base, with hf/config.json)")
     if args.seed and args.name not in ("learning", "hold"):
         raise UserError("--seed belongs to `perpetua bench learning` and `perpetua bench hold`")
-    if args.requests != 480 and args.name != "hold":
+    if args.requests is not None and args.name != "hold":
         raise UserError("--requests belongs to `perpetua bench hold`")
     if args.learner is not None and args.name != "cycle":
         raise UserError("--learner belongs to `perpetua bench cycle`")
@@ -115,7 +115,7 @@ def _hold(module, args) -> int:
     from ops.serving.vllm_server import VllmServerError
 
     try:
-        result = module.run_bench(requests=args.requests, seed=args.seed,
+        result = module.run_bench(requests=480 if args.requests is None else args.requests, seed=args.seed,
                                   log=lambda m: print(m, file=sys.stderr, flush=True))
     except (ValueError, RuntimeError, VllmServerError, RolloutEngineError) as e:
         raise UserError(str(e)) from None
