@@ -29,6 +29,7 @@ from pathlib import Path
 from ops.common.paths import Home, home
 from ops.evaluate.paired import exact_mcnemar
 from ops.evaluate.report import CYCLE, cycle_reports
+from ops.harvest.contract import TraceRecord
 from ops.policy import versions as policies
 
 SEED_BASE = 50_000  # no demo stretch uses it: a demo seed s simulates seeds s * 100_000 + stretch
@@ -50,14 +51,9 @@ def serving_after_cycles(data_dir: Path) -> list[tuple[int, int]]:
     return out
 
 
-def outcomes(trace_files: list[Path]) -> list[tuple[str, str, bool]]:
-    """(question, family, failed) per request, in the order sent (files by name, then line)."""
-    out = []
-    for path in sorted(trace_files):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            out.append((record["question"], record["family"], record["outcome"] != "success"))
-    return out
+def outcomes(records: list[TraceRecord]) -> list[tuple[str, str, bool]]:
+    """(question, family, failed) per request, in the order sent."""
+    return [(r.question, r.family, r.outcome != "success") for r in records]
 
 
 def compare(before: list[tuple[str, str, bool]], after: list[tuple[str, str, bool]]) -> dict:
@@ -118,7 +114,7 @@ def simulate_each(h: Home, versions: list[int], requests: int, seed: int, out_di
                 result = run_simulation(engine, tok_lib.load_hf_tokenizer(model_dir), folder, cfg, env=env)
                 if result.stopped_early:
                     raise RuntimeError(f"the traffic to policy version {version} stopped early: {result.stopped_early}")
-                results[version] = outcomes(result.landing_files)
+                results[version] = outcomes(result.records)  # as written to the traces, not read back
                 log(f"bench hold: policy v{version}: {sum(f for *_, f in results[version])} of {requests} requests "
                     f"failed ({time.monotonic() - start:.0f} s)")
     finally:
