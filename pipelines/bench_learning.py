@@ -369,12 +369,18 @@ CONFIGS: dict[str, tuple[str, dict]] = {
     "defaults+own-policy+first-round-yield+failures-only": (
         "defaults+own-policy+first-round-yield with only the harvested failure counted in a task's estimate, "
         "not in its variants'", _rollouts(own_policy=True, first_round_yield=0.6, failure_prior_variants=False)),
+    "defaults+own-policy+first-round-yield+failures-only+rehearsal-anchors-64": (
+        "defaults+own-policy+first-round-yield+failures-only with 64 of each step's rehearsal rows kept in its "
+        "policy-gradient updates as supervised anchors (anchors that do not depend on the rounds sampling solved tasks)",
+        deep_merge(_rollouts(own_policy=True, first_round_yield=0.6, failure_prior_variants=False),
+                   {"perpetua_cycle": {"ops": {"policy_checkpoint": {"config": _overrides(rehearsal_anchors=64)}}}})),
 }
 # The rows measured with the gate that guards the drift families the champion has learned; every
 # other row was measured before it and keeps the gate it had.
 LEARNED_GUARD_ROWS = frozenset({"defaults", "defaults-learned-margin-0.1", "defaults+first-round-yield",
                                 "defaults+own-policy", "defaults+own-policy+first-round-yield",
-                                "defaults+own-policy+first-round-yield+failures-only"})
+                                "defaults+own-policy+first-round-yield+failures-only",
+                                "defaults+own-policy+first-round-yield+failures-only+rehearsal-anchors-64"})
 BASELINE, CANDIDATE = "plain", "defaults"
 
 

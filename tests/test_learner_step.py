@@ -5,6 +5,7 @@ micro-batching does not change the update; metrics mean what they say."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -295,6 +296,22 @@ def test_rehearsal_rows_can_be_left_to_the_supervised_updates():
     assert [u["phase"] for u in apart] == ["supervised", "policy-gradient"]
     assert apart[0]["num_tokens"] == both[0]["num_tokens"] == sum(s.trained_tokens for s in written)
     assert apart[1]["num_tokens"] == both[1]["num_tokens"] - rehearsal.trained_tokens
+    # rehearsal_anchors: the row is kept in the policy-gradient update as well
+    anchored = Learner(TINY, cfg.model_copy(update={"rehearsal_updates": "supervised", "rehearsal_anchors": 1}))
+    assert anchored.train_step(batch).updates[1]["num_tokens"] == both[1]["num_tokens"]
+
+
+def test_rehearsal_anchors_are_a_seeded_draw_of_the_rehearsal_rows_new_each_step():
+    batch, _ = _batch_with_written_rows()
+    (row,) = [s for s in batch.samples if s.source == "rehearsal"]
+    samples = batch.samples + [replace(row, group_id=f"rehearsal-{i}") for i in range(10)]
+    learner = Learner(TINY, LearnerConfig(seed=3, supervised_updates=1, rehearsal_updates="supervised",
+                                          rehearsal_anchors=4))
+    drawn = learner._rehearsal_anchors(samples)
+    assert len({s.group_id for s in drawn}) == 4 and {s.source for s in drawn} == {"rehearsal"}
+    assert drawn == learner._rehearsal_anchors(list(reversed(samples)))  # whatever the row order
+    learner.optimizer_updates += 2  # the next step
+    assert {s.group_id for s in learner._rehearsal_anchors(samples)} != {s.group_id for s in drawn}
 
 
 def test_supervised_updates_can_follow_the_policy_gradient_ones():

@@ -68,6 +68,14 @@ class LearnerConfig(BaseModel):
               "supervised term of every policy-gradient update) or 'supervised' (the supervised updates alone, so a "
               "pass over many rehearsed solutions there is not repeated by every policy-gradient update)"),
     ] = "all"
+    rehearsal_anchors: Annotated[
+        int,
+        Field(ge=0, description="With rehearsal_updates 'supervised': this many of the step's rehearsal rows (a seeded "
+              "draw, a new one each step) are kept in the policy-gradient updates too, as supervised anchors beside "
+              "the informative groups, whatever the rounds sampled; the anchors of all-pass groups (loss.anchor_solved) "
+              "come only from tasks a round sampled, so a round that samples few solved tasks leaves the updates with "
+              "few. 0 = none"),
+    ] = 0
     supervised_order: Annotated[
         Literal["before", "after"],
         Field(description="When the supervised updates run in the step: 'before' the policy-gradient updates, or "

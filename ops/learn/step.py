@@ -114,7 +114,8 @@ class Learner:
         result = StepResult()
         samples = batch.samples
         if self.cfg.supervised_updates and self.cfg.rehearsal_updates == "supervised":
-            samples = [s for s in samples if s.source != "rehearsal"]  # the supervised updates train them
+            # the supervised updates train them; a few stay as anchors of the policy-gradient updates
+            samples = [s for s in samples if s.source != "rehearsal"] + self._rehearsal_anchors(samples)
         plan = self._plan(samples, self.cfg.loss)
         if plan is None:
             return result  # nothing to train on: every group filtered, or no trained token
@@ -159,6 +160,15 @@ class Learner:
         tokens = [replace(s, sequence=replace(s.sequence, loss_mask=low)) for s, low in zip(written, lows) if any(low)]
         anchors = [s for s, low in zip(written, lows) if not any(low)]
         return tokens + (anchors if self.cfg.supervised_scope == "tokens_anchored" and tokens else []), tokens
+
+    def _rehearsal_anchors(self, samples: list[TrainingSample]) -> list[TrainingSample]:
+        """`rehearsal_anchors` of the batch's rehearsal rows, drawn in a shuffled order seeded by the
+        learner seed and the optimizer step (the same on every rank, a new draw each step)."""
+        rows = sorted((s for s in samples if s.source == "rehearsal"), key=lambda s: (s.group_id, s.sample_index))
+        if self.cfg.rehearsal_anchors >= len(rows):
+            return rows
+        random.Random(f"{self.cfg.seed}:anchors:{self.optimizer_updates}").shuffle(rows)
+        return rows[:self.cfg.rehearsal_anchors]
 
     def _supervised_batches(self, rows: list[TrainingSample]) -> list[list[TrainingSample]]:
         """The supervised updates' batches: all rows at once, or `supervised_batch` rows each in a
