@@ -98,7 +98,9 @@ def test_expert_parallel_step_matches_single_process(tmp_path, learner):
     max_diff = max(float((w_ep[k] - w_one[k]).abs().max()) for k in w_one)
     moved = max(float((w_one[k] - w_base[k]).abs().max()) for k in w_one)
     print(f"EP=2 vs 1 process: max |dw| = {max_diff:.2e} (weights moved up to {moved:.2e})")
-    assert max_diff < 1e-5
+    # Adam moves a weight by up to lr * m / sqrt(v) whatever the gradient's size, so where a gradient is near
+    # zero its reduction-order noise moves the weight by a little of lr: up to 1.2e-5 here over 4 updates.
+    assert max_diff < 5e-5
     assert moved > 100 * max_diff
 
     # The EP checkpoint holds every expert under its global name, written by the rank that owns it.
