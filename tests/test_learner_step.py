@@ -115,7 +115,9 @@ def test_micro_batching_does_not_change_the_update():
     (m5, w5), (m24, w24) = results[5], results[24]
     assert m5["loss"] == pytest.approx(m24["loss"], rel=1e-5, abs=1e-8)
     assert m5["grad_norm"] == pytest.approx(m24["grad_norm"], rel=1e-5)
-    assert max(float((w5[k] - w24[k]).abs().max()) for k in w5) < 1e-6
+    # Adam's first update is about lr * g / |g|: where a gradient is near zero, summation-order noise in it
+    # moves a weight by a little of lr (up to 1.1e-6 seen on one CPU)
+    assert max(float((w5[k] - w24[k]).abs().max()) for k in w5) < 5e-6
 
 
 def test_several_updates_keep_logp_old_from_the_start_of_the_step():
