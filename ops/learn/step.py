@@ -164,11 +164,17 @@ class Learner:
     def _rehearsal_anchors(self, samples: list[TrainingSample]) -> list[TrainingSample]:
         """`rehearsal_anchors` of the batch's rehearsal rows, drawn in a shuffled order seeded by the
         learner seed and the optimizer step (the same on every rank, a new draw each step)."""
-        rows = sorted((s for s in samples if s.source == "rehearsal"), key=lambda s: (s.group_id, s.sample_index))
+        rows = [s for s in samples if s.source == "rehearsal"]
         if self.cfg.rehearsal_anchors >= len(rows):
             return rows
-        random.Random(f"{self.cfg.seed}:anchors:{self.optimizer_updates}").shuffle(rows)
-        return rows[:self.cfg.rehearsal_anchors]
+        return self._seeded_order(rows, "anchors:")[:self.cfg.rehearsal_anchors]
+
+    def _seeded_order(self, rows: list[TrainingSample], salt: str = "") -> list[TrainingSample]:
+        """`rows` in an order shuffled by the learner seed, `salt` and the optimizer step: the same on
+        every rank (all hold the same batch) whatever the rows' order, a new one each step."""
+        order = sorted(rows, key=lambda s: (s.group_id, s.sample_index))
+        random.Random(f"{self.cfg.seed}:{salt}{self.optimizer_updates}").shuffle(order)
+        return order
 
     def _supervised_batches(self, rows: list[TrainingSample]) -> list[list[TrainingSample]]:
         """The supervised updates' batches: all rows at once, or `supervised_batch` rows each in a
@@ -177,8 +183,7 @@ class Learner:
         size = self.cfg.supervised_batch
         if not size or len(rows) <= size:
             return [rows]
-        order = sorted(rows, key=lambda s: (s.group_id, s.sample_index))
-        random.Random(f"{self.cfg.seed}:{self.optimizer_updates}").shuffle(order)
+        order = self._seeded_order(rows)
         return [order[i:i + size] for i in range(0, len(order), size)]
 
     def _below(self, samples: list[TrainingSample]) -> list[list[int]]:
