@@ -79,6 +79,15 @@ def _rollouts(**fields) -> dict:
     return {"perpetua_cycle": {"ops": {"rollouts": {"config": fields}}}}
 
 
+def _learner(**fields) -> dict:
+    """The defaults with the given LearnerConfig fields changed (nothing else)."""
+    return {"perpetua_cycle": {"ops": {"policy_checkpoint": {"config": _overrides(**fields)}}}}
+
+
+# The first round cut on the sampling policy's own estimates, only harvested failures counted.
+FAILURES_ONLY = _rollouts(own_policy=True, first_round_yield=0.6, failure_prior_variants=False)
+
+
 def _weighted(**fields) -> dict:
     """The defaults with the curriculum of a weighted sample (WEIGHTED_CURRICULUM) and the given
     rollouts settings changed."""
@@ -368,12 +377,11 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                                               _rollouts(own_policy=True, first_round_yield=0.6)),
     "defaults+own-policy+first-round-yield+failures-only": (
         "defaults+own-policy+first-round-yield with only the harvested failure counted in a task's estimate, "
-        "not in its variants'", _rollouts(own_policy=True, first_round_yield=0.6, failure_prior_variants=False)),
+        "not in its variants'", FAILURES_ONLY),
     "defaults+own-policy+first-round-yield+failures-only+rehearsal-anchors-64": (
         "defaults+own-policy+first-round-yield+failures-only with 64 of each step's rehearsal rows kept in its "
         "policy-gradient updates as supervised anchors (anchors that do not depend on the rounds sampling solved tasks)",
-        deep_merge(_rollouts(own_policy=True, first_round_yield=0.6, failure_prior_variants=False),
-                   {"perpetua_cycle": {"ops": {"policy_checkpoint": {"config": _overrides(rehearsal_anchors=64)}}}})),
+        deep_merge(FAILURES_ONLY, _learner(rehearsal_anchors=64))),
 }
 # The rows measured with the gate that guards the drift families the champion has learned; every
 # other row was measured before it and keeps the gate it had.
