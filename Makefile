@@ -36,8 +36,13 @@ $(SYSTEM_STAMP): Makefile
 demo: setup
 	$(VENV)/bin/perpetua demo $(DEMO_ARGS)
 
+# The suite in TEST_WORKERS processes (pytest-xdist), a test file per worker at a time, so that
+# a file's servers and fixtures are started once, in collection order: tests/conftest.py puts the
+# longest files first (xdist's own reordering, by number of tests per file, would start them
+# last). TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Stop the servers this home started (they outlive runs) before deleting it.
 clean:

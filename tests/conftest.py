@@ -17,8 +17,10 @@ interpreter.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -76,12 +78,27 @@ def repository_tree_stays_clean():
                     f"(and delete these).", pytrace=False)
 
 
-def _home_of(pid: int) -> str:
+# The longest test files, longest first (their durations on a 2-core machine: the first three
+# run several minutes each). `make test` runs files in two pytest-xdist workers in collection
+# order; starting these first lets the short files fill in behind them, instead of a long file
+# starting last and running alone at the end.
+LONGEST_FIRST = ["test_demo.py", "test_cycle_job.py", "test_env_demo.py", "test_daemon.py", "test_eval_deploy.py",
+                 "test_server_pool.py", "test_env_code_repair_cycle.py", "test_bench_hold.py", "test_learner_service.py"]
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def _environ_of(pid: int, name: str) -> str | None:
+    """The value of `name` in the environment process `pid` started with (None: unset or unreadable)."""
     try:
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
-        return ""
-    return next((v[len(b"PERPETUA_HOME="):].decode() for v in environ if v.startswith(b"PERPETUA_HOME=")), "")
+        return None
+    prefix = name.encode() + b"="
+    return next((v[len(prefix):].decode() for v in environ if v.startswith(prefix)), None)
 
 
 TEST_HOME_PREFIX = "perpetua-"  # homes tests make with tempfile.mkdtemp (short paths, e.g. for PostgreSQL)
@@ -94,14 +111,20 @@ def _test_home(home: str, basetemp: Path) -> bool:
     return path.is_relative_to(basetemp) or (path.parent == temp and path.name.startswith(TEST_HOME_PREFIX))
 
 
+# Set by pytest-xdist in each worker process (`make test` runs the suite in two); the processes a
+# test starts inherit it.
+XDIST_WORKER = "PYTEST_XDIST_WORKER"
+
+
 def _learner_services(basetemp: Path) -> set[int]:
     """Pids of running persistent learners (their torchrun agents, the process group leaders) of
-    the tests' homes, not of anything else running on the machine."""
+    this worker's tests' homes, not of another worker's tests or anything else on the machine."""
     from ops.serving.supervisor import cmdline
 
     pids = (int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit())
     return {pid for pid in pids if {b"torch.distributed.run", b"ops.learn.service"} <= set(cmdline(pid))
-            and _test_home(_home_of(pid), basetemp)}
+            and _test_home(_environ_of(pid, "PERPETUA_HOME") or "", basetemp)
+            and _environ_of(pid, XDIST_WORKER) == os.environ.get(XDIST_WORKER)}
 
 
 @pytest.fixture(autouse=True)
@@ -126,23 +149,46 @@ def perpetua_home(tmp_path, monkeypatch) -> Path:
     return get_home().ensure().root
 
 
+def _built_once(tmp_path_factory, name: str, build: Callable[[Path], Path]) -> Path:
+    """`build(folder)`'s result, built once per test session, also when pytest-xdist runs the
+    session in several worker processes: the workers share the parent of their base temp dirs,
+    where the first to take the lock builds and the others wait and reuse what it built (the
+    builds are seeded, so which worker builds does not matter). Tests only read the result."""
+    if os.environ.get(XDIST_WORKER) is None:
+        return build(tmp_path_factory.mktemp(name))
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent
+    built = shared / f"{name}.built"  # the result's path, written once the build is complete
+    with FileLock(str(shared / f"{name}.lock")):
+        if not built.exists():
+            folder = shared / name
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            built.write_text(str(build(folder)))
+    return Path(built.read_text())
+
+
 @pytest.fixture(scope="session")
 def random_policy_dir(tmp_path_factory) -> Path:
     from ops.policy.bootstrap import random_policy
 
-    return random_policy(tmp_path_factory.mktemp("random-policy"), seed=1234, version=None)
+    return _built_once(tmp_path_factory, "random-policy", lambda out: random_policy(out, seed=1234, version=None))
+
+
+def _bootstrapped_policy(out: Path) -> Path:
+    from assets.base_policy import BasePolicyConfig, bootstrap_config, record_key
+    from ops.envs import get_environment
+    from ops.policy.bootstrap import bootstrap_base_policy
+
+    config = BasePolicyConfig(max_steps=300, target_success=0.6)
+    hf_dir = bootstrap_base_policy(out, bootstrap_config(config)).hf_dir
+    record_key(out, config, get_environment("calculator"))
+    return hf_dir
 
 
 @pytest.fixture(scope="session")
 def base_policy_dir(tmp_path_factory) -> Path:
     """A bootstrapped tiny policy (short SFT: follows the episode format, often right), stamped as
     the `base_policy` asset stamps its own, so that a home it is copied into reuses it."""
-    from assets.base_policy import BasePolicyConfig, bootstrap_config, record_key
-    from ops.envs import get_environment
-    from ops.policy.bootstrap import bootstrap_base_policy
-
-    out = tmp_path_factory.mktemp("base-policy")
-    config = BasePolicyConfig(max_steps=300, target_success=0.6)
-    hf_dir = bootstrap_base_policy(out, bootstrap_config(config)).hf_dir
-    record_key(out, config, get_environment("calculator"))
-    return hf_dir
+    return _built_once(tmp_path_factory, "base-policy", _bootstrapped_policy)

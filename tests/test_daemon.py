@@ -12,6 +12,7 @@ Debian's (`make setup` installs it): a machine without it fails here rather than
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -96,11 +97,11 @@ def _failures(first: int, n: int, version: str) -> list[dict]:
              "final_answer": "0", "finish_reason": "answer", "outcome": "failure"} for i, t in enumerate(tasks)]
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def daemon_home(request, base_policy_dir, monkeypatch):
-    """A home with the base policy registered as champion, its MLflow server and its daemon
-    running; everything stopped and removed after. Not under tmp_path: PostgreSQL runs as its
-    own user, which must reach the home."""
+@contextlib.contextmanager
+def _daemon_home(db: str, base_policy_dir: Path, monkeypatch):
+    """A home on `db` with the base policy registered as champion, its MLflow server and its
+    daemon running; everything stopped and removed after. Not under tmp_path: PostgreSQL runs as
+    its own user, which must reach the home."""
     root = Path(tempfile.mkdtemp(prefix="perpetua-daemon-"))
     root.chmod(0o755)
     h = Home(root).ensure()
@@ -116,7 +117,7 @@ def daemon_home(request, base_policy_dir, monkeypatch):
     monkeypatch.setenv(faults.ONCE_ENV, str(root / "killed-once"))
     shutil.copytree(base_policy_dir.parent, h.models / "base")
     try:
-        if request.param == "postgres":
+        if db == "postgres":
             pg.enable(h, _port())
         prepare_dagster_home(h)
         # Run monitoring every 2 s rather than 15: the orphaned run below is failed sooner, the
@@ -130,7 +131,7 @@ def daemon_home(request, base_policy_dir, monkeypatch):
                                                tags={"perpetua.policy_version": "0"})
         registry.promote(uri, policies.REGISTERED_MODEL, champion)  # nobody serves production here
         daemon.start(h)
-        yield h, uri, champion, request.param
+        yield h, uri, champion
     finally:
         daemon.stop(h)
         for port in vllm_server.recorded_ports(h):
@@ -140,14 +141,42 @@ def daemon_home(request, base_policy_dir, monkeypatch):
         subprocess.run(["rm", "-rf", str(root)], check=False)
 
 
+@pytest.fixture
+def daemon_home(base_policy_dir, monkeypatch):
+    with _daemon_home("sqlite", base_policy_dir, monkeypatch) as home:
+        yield home
+
+
+@pytest.fixture
+def postgres_daemon_home(base_policy_dir, monkeypatch):
+    with _daemon_home("postgres", base_policy_dir, monkeypatch) as home:
+        yield home
+
+
+def _orphaned_cycle(instance) -> None:
+    """A cycle run a reboot left STARTED: it holds the cycle lock until run monitoring finds its
+    worker gone and fails it (not retried: it has no job to launch again)."""
+    _run_with_worker(instance, "orphaned-cycle", _dead_pid(), **{CYCLE_LOCK_TAG: "1", "dagster/max_retries": "0"})
+
+
+def _one_after_the_other(instance, run_ids: list[str]) -> list:
+    """The runs' records in start order, checked never to have overlapped."""
+    records = sorted((instance.get_run_record_by_id(r) for r in run_ids), key=lambda r: r.start_time)
+    assert all(a.end_time <= b.start_time for a, b in zip(records, records[1:]))  # never two at once
+    return records
+
+
+def _harvest_reads(instance) -> list[int]:
+    return sorted(r.asset_materialization.metadata["read"].value
+                  for r in instance.fetch_materializations(dg.AssetKey("harvested_failures"), limit=10).records)
+
+
 @pytest.mark.timeout(1200)
 def test_two_cycles_requested_at_once_run_one_after_the_other(daemon_home):
-    h, uri, champion, db = daemon_home
+    h, uri, champion = daemon_home
     write_traces(_failures(0, 24, champion), h.landing)
     with dg.DagsterInstance.get() as instance:
-        # A cycle run a reboot left STARTED: it holds the cycle lock until run monitoring finds
-        # its worker gone and fails it (not retried: it has no job to launch again).
-        _run_with_worker(instance, "orphaned-cycle", _dead_pid(), **{CYCLE_LOCK_TAG: "1", "dagster/max_retries": "0"})
+        _orphaned_cycle(instance)
         requested = [daemon.submit(h, CYCLE_JOB, SMALL, {CYCLE_TAG: str(c)}) for c in (1, 2)]
 
         # The first cycle's run worker dies in its harvest; Dagster marks the run failed and
@@ -171,9 +200,8 @@ def test_two_cycles_requested_at_once_run_one_after_the_other(daemon_home):
         assert harvest.success
 
         finished = [daemon.wait(instance, run_id, timeout_s=900) for run_id in (requested[1], retry.run_id)]
-        records = sorted((instance.get_run_record_by_id(r) for r in [*requested, retry.run_id]), key=lambda r: r.start_time)
+        records = _one_after_the_other(instance, [*requested, retry.run_id])
         assert [r.dagster_run.run_id for r in records] == [*requested, retry.run_id]
-        assert all(a.end_time <= b.start_time for a, b in zip(records, records[1:]))  # never two at once
         harvest_record = instance.get_run_record_by_id(harvest.run_id)
         assert harvest_record.start_time < records[1].end_time  # the harvest did not wait for the cycle
 
@@ -185,9 +213,7 @@ def test_two_cycles_requested_at_once_run_one_after_the_other(daemon_home):
         assert all(policies.hf_dir(v).joinpath("config.json").exists() for v in (1, 2))
         # Every landed record was read by exactly one harvest: the killed one committed nothing,
         # the second cycle's read the 24, the one beside it the 8 that landed later, the retry none.
-        reads = [r.asset_materialization.metadata["read"].value
-                 for r in instance.fetch_materializations(dg.AssetKey("harvested_failures"), limit=10).records]
-        assert sorted(reads) == [0, 8, 24]
+        assert _harvest_reads(instance) == [0, 8, 24]
         assert [r["failures_harvested"] for r in rows] == [24, 0]
         # The audit of the last cycle walks back through every harvest, the killed one aside, to
         # every landed failure; nothing is missing but the base policy, which this home was given
@@ -200,5 +226,31 @@ def test_two_cycles_requested_at_once_run_one_after_the_other(daemon_home):
         assert audit.policy_version == 2
         logs = "\n".join(str(e.message) for r in records for e in instance.all_logs(r.dagster_run.run_id))
     assert "database is locked" not in logs + Path(daemon.status(h).log).read_text()
-    if db == "postgres":
-        assert not list(h.dagster.glob("**/*.db"))  # every record went to the PostgreSQL server
+
+
+@pytest.mark.timeout(600)
+def test_on_postgres_the_daemon_queues_monitors_and_retries_runs(postgres_daemon_home):
+    """The daemon's machinery of the test above (the run queue's cycle lock, run monitoring, a
+    retry of a run whose worker was killed) with the instance on PostgreSQL, on harvest runs
+    that carry the cycle lock: the queue admits by tag, whatever the job, so the cycles' own
+    scenario need not run twice (tests/test_postgres.py covers the storage itself)."""
+    h, uri, champion = postgres_daemon_home
+    write_traces(_failures(0, 24, champion), h.landing)
+    with dg.DagsterInstance.get() as instance:
+        _orphaned_cycle(instance)
+        requested = [daemon.submit(h, "harvest", {}, {CYCLE_LOCK_TAG: "1"}) for _ in range(2)]
+        killed = daemon.wait(instance, requested[0], timeout_s=300)
+        assert not killed.success and (h.root / "killed-once").exists()
+        assert instance.get_run_record_by_id("orphaned-cycle").dagster_run.status == dg.DagsterRunStatus.FAILURE
+        second = daemon.wait(instance, requested[1], timeout_s=300)
+        (retry,) = instance.get_runs(dg.RunsFilter(tags={"dagster/parent_run_id": requested[0]}))
+        retried = daemon.wait(instance, retry.run_id, timeout_s=300)
+        assert second.success and retried.success
+        records = _one_after_the_other(instance, [*requested, retry.run_id])
+        assert records[0].dagster_run.run_id == requested[0]
+        assert instance.get_run_record_by_id("orphaned-cycle").end_time <= records[0].start_time
+        # the killed harvest committed nothing; of the other two, the first read the 24, the next none
+        assert _harvest_reads(instance) == [0, 24]
+        logs = "\n".join(str(e.message) for r in records for e in instance.all_logs(r.dagster_run.run_id))
+    assert "database is locked" not in logs + Path(daemon.status(h).log).read_text()
+    assert not list(h.dagster.glob("**/*.db"))  # every record went to the PostgreSQL server
