@@ -1,9 +1,11 @@
-"""Cycles launched by the real Dagster daemon through the instance's run queue, on SQLite and on
-PostgreSQL: a cycle run orphaned by a reboot (STARTED, its worker gone) is failed by run
-monitoring instead of holding the cycle lock for ever; two cycles requested at once run one after
-the other (the queue's cycle lock); the first one's run worker is SIGKILLed between its harvest's tables and cursor, and Dagster marks
-that run failed and retries it once; a harvest run in another process meanwhile does not wait
-for them; every landed record is read exactly once, and nothing reports a locked database.
+"""Cycles launched by the real Dagster daemon through the instance's run queue: a cycle run
+orphaned by a reboot (STARTED, its worker gone) is failed by run monitoring instead of holding
+the cycle lock for ever; two cycles requested at once run one after the other (the queue's cycle
+lock); the first one's run worker is SIGKILLed between its harvest's tables and cursor, and
+Dagster marks that run failed and retries it once; a harvest run in another process meanwhile
+does not wait for them; every landed record is read exactly once, and nothing reports a locked
+database. The same queue, monitoring and retry with the instance on PostgreSQL, on harvest runs
+that carry the cycle lock.
 
 Real engines throughout (the daemon and its run workers, the MLflow server, the vLLM trainer
 server, the megatron-core learner, the sandbox), with small sets. The PostgreSQL server is
