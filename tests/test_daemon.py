@@ -168,6 +168,12 @@ def _one_after_the_other(instance, run_ids: list[str]) -> list:
     return records
 
 
+def _no_locked_database(h: Home, instance, records: list) -> None:
+    """Neither the runs' logs nor the daemon's log report a locked database."""
+    logs = "\n".join(str(e.message) for r in records for e in instance.all_logs(r.dagster_run.run_id))
+    assert "database is locked" not in logs + Path(daemon.status(h).log).read_text()
+
+
 def _harvest_reads(instance) -> list[int]:
     return sorted(r.asset_materialization.metadata["read"].value
                   for r in instance.fetch_materializations(dg.AssetKey("harvested_failures"), limit=10).records)
@@ -226,8 +232,7 @@ def test_two_cycles_requested_at_once_run_one_after_the_other(daemon_home):
         assert {m.asset_key for m in audit.missing} == {"base_policy"}, audit.missing
         assert sorted(audit.trace_ids) == sorted(f"prod-{i}" for i in [*range(24), *range(100, 108)])
         assert audit.policy_version == 2
-        logs = "\n".join(str(e.message) for r in records for e in instance.all_logs(r.dagster_run.run_id))
-    assert "database is locked" not in logs + Path(daemon.status(h).log).read_text()
+        _no_locked_database(h, instance, records)
 
 
 @pytest.mark.timeout(600)
@@ -253,6 +258,5 @@ def test_on_postgres_the_daemon_queues_monitors_and_retries_runs(postgres_daemon
         assert instance.get_run_record_by_id("orphaned-cycle").end_time <= records[0].start_time
         # the killed harvest committed nothing; of the other two, the first read the 24, the next none
         assert _harvest_reads(instance) == [0, 24]
-        logs = "\n".join(str(e.message) for r in records for e in instance.all_logs(r.dagster_run.run_id))
-    assert "database is locked" not in logs + Path(daemon.status(h).log).read_text()
+        _no_locked_database(h, instance, records)
     assert not list(h.dagster.glob("**/*.db"))  # every record went to the PostgreSQL server
