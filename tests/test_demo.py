@@ -4,8 +4,10 @@ sandbox), with smaller sets than the default (`--run-config`) so it fits in the 
 session's bootstrapped base policy (copied in; the demo's bootstrap job reuses it).
 
 Run twice over one PERPETUA_HOME: the second run continues the cycle numbering and harvests only
-what landed after the first one (nothing read twice, nothing lost), and neither leaves a
-server behind.
+what landed after the first one (nothing read twice, nothing lost). The home's two vLLM servers
+are up before the first run, as after a cycle the Dagster daemon ran: both runs use them and
+leave them serving (a demo stops only what it started; tests/test_env_demo.py has a demo start
+and stop its own), and `perpetua stop` ends them.
 """
 
 from __future__ import annotations
@@ -54,6 +56,30 @@ def _demo(env: dict, summary: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
 
 
+def _start_servers(home: Path, ports: list[int]) -> list[int]:
+    """vLLM servers on the home's base policy (v0) on `ports`, started together as the cycle's
+    resources start them (assets/resources.py); their pids."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ops.common.paths import Home
+    from ops.policy import versions as policies
+    from ops.serving import vllm_server
+    from ops.serving.api_key import api_key
+
+    h = Home(home)
+    api_key(h.root)  # created once, before the servers read it together
+    with ThreadPoolExecutor(len(ports)) as pool:
+        return [s.pid for s in pool.map(lambda p: vllm_server.start(policies.hf_dir(0, h), port=p, policy_version=0, h=h), ports)]
+
+
+def _stop_servers(home: Path, ports: list[int]) -> None:
+    from ops.common.paths import Home
+    from ops.serving import vllm_server
+
+    for port in ports:
+        vllm_server.stop(port, Home(home))
+
+
 def _failure_trace_ids(home: Path) -> set[str]:
     records = (json.loads(line) for p in (home / "landing").glob("*.jsonl") for line in p.read_text().splitlines())
     return {r["trace_id"] for r in records if r["outcome"] != "success"}
@@ -64,7 +90,7 @@ def _landed(home: Path) -> int:
 
 
 @pytest.mark.timeout(1500)
-def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_path, base_policy_dir):
+def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_path, base_policy_dir, request):
     home = tmp_path / "home"
     # The session's bootstrapped base policy, copied in as `bench --base` does, with the bootstrap
     # config under which the demo's bootstrap job reuses it (a fresh home's bootstrap through the
@@ -75,6 +101,9 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
     env = {**os.environ, "PERPETUA_HOME": str(home), "VLLM_CPU_KVCACHE_SPACE": "1", **{k: str(v) for k, v in ports.items()}}
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("DAGSTER_HOME", None)
+    vllm_ports = [ports[k] for k in ("PERPETUA_TRAINER_PORT", "PERPETUA_PRODUCTION_PORT")]
+    request.addfinalizer(lambda: _stop_servers(home, vllm_ports))  # when an assertion ends the test early
+    serving = _start_servers(home, vllm_ports)
 
     first = _demo(env, tmp_path / "first.json", "--traces", "landing", "--run-config", str(tmp_path / "small.yaml"))
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-6000:]
@@ -122,7 +151,9 @@ def test_demo_runs_cycles_through_dagster_and_continues_where_it_stopped(tmp_pat
 
     h = Home(home)
     assert mlflow_server.status(h) is None
-    assert all(vllm_server.status(ports[k], h) is None for k in ("PERPETUA_TRAINER_PORT", "PERPETUA_PRODUCTION_PORT"))
+    assert [vllm_server.status(p, h).pid for p in vllm_ports] == serving  # still the servers of before the demos
+    stopped = subprocess.run([sys.executable, "-m", "pipelines.cli", "stop"], env=env, capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == 0 and all(vllm_server.status(p, h) is None for p in vllm_ports), stopped.stderr[-3000:]
     with dg.DagsterInstance.from_config(str(home / "dagster")) as instance:
         runs = {r.run_id: r for r in instance.get_runs(dg.RunsFilter(job_name="perpetua_cycle"))}
         assert set(runs) == {row["dagster_run_id"], row2["dagster_run_id"]}

@@ -2,7 +2,8 @@
 real engines, with reasoning-gym's tasks and scorer. Smaller than the default (`--run-config`) so
 it fits in the suite: the base policy is bootstrapped briefly, so the point is the loop running
 end to end on a second environment (harvest, rollouts, verification with the library's own
-scorer, learner, gated deploy, per-family failure rates, the audit), not how much it learns."""
+scorer, learner, gated deploy, per-family failure rates, the audit), not how much it learns. It is
+also the suite's demo that starts its own servers, and stops them."""
 
 from __future__ import annotations
 
@@ -41,6 +42,13 @@ def test_demo_runs_the_loop_on_reasoning_gym(tmp_path):
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1100)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     assert "environment: reasoning_gym v1" in run.stdout and "production failure rate by family" in run.stdout
+    # what the demo started (the MLflow and both vLLM servers), it stopped
+    from ops.common.paths import Home
+    from ops.serving import mlflow_server, vllm_server
+
+    assert mlflow_server.status(Home(home)) is None
+    assert all(vllm_server.status(ports[k], Home(home)) is None for k in ("PERPETUA_TRAINER_PORT", "PERPETUA_PRODUCTION_PORT"))
+    assert not vllm_server.recorded_ports(Home(home))
 
     summary = json.loads(summary_path.read_text())
     assert summary["environment"] == {"name": "reasoning_gym", "version": env_def.version}
