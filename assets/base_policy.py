@@ -9,14 +9,17 @@ downstream becomes stale) instead of retraining.
 import hashlib
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import dagster as dg
 
 from ops.common.atomic import atomic_write_text
 from ops.envs import Environment
 from ops.envs.home import CALCULATOR_V1, bind_environment, home_environment, stage_code_version
-from ops.policy.bootstrap import BootstrapConfig, bootstrap_base_policy
 from ops.common.paths import home
+
+if TYPE_CHECKING:  # imported where used: ops.policy.bootstrap loads torch and megatron-core
+    from ops.policy.bootstrap import BootstrapConfig
 
 CODE_VERSION = "base_policy-v1"
 KEY_FILE = "bootstrap-key.txt"  # the cache key the base policy on disk was trained under
@@ -30,7 +33,9 @@ class BasePolicyConfig(dg.Config):
     threads: int = 0
 
 
-def bootstrap_config(config: BasePolicyConfig) -> BootstrapConfig:
+def bootstrap_config(config: BasePolicyConfig) -> "BootstrapConfig":
+    from ops.policy.bootstrap import BootstrapConfig
+
     cfg = BootstrapConfig(preset=config.preset, threads=config.threads)
     return cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"max_steps": config.max_steps,
                                                                       "target_success": config.target_success})})
@@ -88,6 +93,8 @@ def base_policy(context: dg.AssetExecutionContext, config: BasePolicyConfig) -> 
         result = json.loads((out / "bootstrap.json").read_text())
     else:
         stamp.unlink(missing_ok=True)
+        from ops.policy.bootstrap import bootstrap_base_policy
+
         r = bootstrap_base_policy(out, cfg, log=lambda m: context.log.info(f"sft {m}"), env=env)
         result = r.sft.to_dict()
     record_key(out, config, env)

@@ -22,7 +22,6 @@ from ops.common.paths import home
 from ops.common.tables import REWARDS, ROLLOUTS, read_table, table_hash
 from ops.cost import cycle_costs
 from ops.cost.accounting import CycleRecord
-from ops.cost.plot import save_ipd_plot
 from ops.deploy import registry
 from ops.evaluate import mlflow_datasets as eval_datasets
 from ops.evaluate import report as reports
@@ -248,6 +247,8 @@ def _log_campaign(uri: str, experiment: str, parent: str, record: CycleRecord, c
     campaign = tracking.load_campaign(uri, experiment)
     campaign = campaign.with_record(record)
     tracking.log_cycle_metrics(uri, parent, record, campaign, cost)
+    from ops.cost.plot import save_ipd_plot  # matplotlib: loaded when a plot is drawn, not with the definitions
+
     plot = save_ipd_plot(campaign, report_file.with_name("intelligence_per_dollar.png"))
     tracking.RunLog(uri, parent).log_artifact(plot, "plots")
     return plot

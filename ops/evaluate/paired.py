@@ -33,7 +33,6 @@ from typing import Annotated
 
 import numpy as np
 from pydantic import BaseModel, Field
-from scipy import stats
 
 from ops.evaluate.statistics import EvalStatsError, TaskSamples
 
@@ -96,6 +95,8 @@ def exact_mcnemar(candidate_only: int, baseline_only: int, n_tasks: int, alpha: 
     if m == 0:
         return PairedComparison(test=EXACT_MCNEMAR, n_tasks=n_tasks, gain=0.0, ci=(0.0, 0.0), confidence=1 - 2 * alpha,
                                 p_value=1.0, candidate_only=0, baseline_only=0)
+    from scipy import stats  # loaded when a gate decides, not with the Dagster definitions (2-3 s)
+
     p_value = float(stats.binom.sf(b - 1, m, 0.5))  # P(X >= b)
     theta_lo = 0.0 if b == 0 else float(stats.beta.ppf(alpha, b, m - b + 1))
     theta_hi = 1.0 if b == m else float(stats.beta.ppf(1 - alpha, b + 1, m - b))

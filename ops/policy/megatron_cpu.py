@@ -19,11 +19,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from ops.common.device import cuda_available
+
 _applied = False
-
-
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
 
 
 def apply() -> bool:

@@ -14,7 +14,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field
 
-from ops.policy.megatron_cpu import cuda_available
+from ops.common.device import cuda_available
 
 log = logging.getLogger(__name__)
 
