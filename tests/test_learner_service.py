@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -119,8 +120,16 @@ def test_persistent_learner_steps_equal_cold_steps_across_a_kill(tmp_path, monke
         while any(supervisor.alive(pid) for pid in first_ranks) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not any(supervisor.alive(pid) for pid in first_ranks), "ranks outlived their launcher"
-        second = service.start(h, nproc_per_node=2, expert_parallel=2)
-        assert second.pid != first.pid and not second.reused
+        # ... on another port when the one it chose is taken before rank 0 binds it (a socket bound,
+        # not listening: free to connect-check, taken to bind)
+        with socket.socket() as taker:
+            taker.bind((service.HOST, 0))
+            taken = taker.getsockname()[1]
+            chosen = iter([taken])
+            monkeypatch.setattr(supervisor, "free_port", lambda free_port=supervisor.free_port: next(chosen, None) or free_port())
+            second = service.start(h, nproc_per_node=2, expert_parallel=2)
+        assert second.pid != first.pid and not second.reused and second.port != taken
+        assert service.ADDRESS_IN_USE in service.log_file(h).read_text()
         reply = service.step(second, _job(warm, base, data, 4), api_key=key)
         assert reply.exit_code == 0, reply
         assert _outcome(warm, 4) == _outcome(tmp_path / "cold", 4)

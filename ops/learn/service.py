@@ -115,19 +115,45 @@ def start(h: Home, *, nproc_per_node: int = 1, expert_parallel: int = 1, timeout
         return running
     if running is not None:
         stop(h)
-    port = supervisor.free_port()
 
-    def launch() -> supervisor.Launch:
-        torchrun = LocalTorchrun(nproc_per_node=nproc_per_node)
-        argv = torchrun.torchrun(["-m", "ops.learn.service", "--port", str(port), "--expert-parallel", str(expert_parallel)])
-        return supervisor.Launch(argv, REPO_ROOT, {**os.environ, "PERPETUA_HOME": str(h.root), **torchrun.env()})
+    def start_on(port: int) -> LearnerService:
+        def launch() -> supervisor.Launch:
+            torchrun = LocalTorchrun(nproc_per_node=nproc_per_node)
+            argv = torchrun.torchrun(["-m", "ops.learn.service", "--port", str(port), "--expert-parallel", str(expert_parallel)])
+            return supervisor.Launch(argv, REPO_ROOT, {**os.environ, "PERPETUA_HOME": str(h.root), **torchrun.env()})
 
-    def ready(pid: int, url: str, _seconds: float) -> LearnerService:
-        return LearnerService(url, pid, port, nproc_per_node, expert_parallel, str(log_file(h)))
+        def ready(pid: int, url: str, _seconds: float) -> LearnerService:
+            return LearnerService(url, pid, port, nproc_per_node, expert_parallel, str(log_file(h)))
 
-    # The service is warm state, not work: one ended from outside while it starts (measured: a
-    # SIGTERM of unknown origin on a loaded machine) is started again rather than failing the step.
-    return supervisor.start(service(h), HOST, port, launch, ready, timeout_s, restarts=1)
+        # The service is warm state, not work: one ended from outside while it starts (measured: a
+        # SIGTERM of unknown origin on a loaded machine) is started again rather than failing the step.
+        return supervisor.start(service(h), HOST, port, launch, ready, timeout_s, restarts=1)
+
+    # The port is free when chosen here and bound by rank 0 seconds later, once torch and
+    # megatron-core are imported and the world has formed; on a busy machine another process can
+    # take it in between (measured: with two pytest workers, rank 0 failed with EADDRINUSE). Such a
+    # start is tried again on another port.
+    attempts = PORT_ATTEMPTS
+    while True:
+        try:
+            return start_on(supervisor.free_port())
+        except LearnerServiceError:
+            attempts -= 1
+            if attempts == 0 or not _port_was_taken(log_file(h)):
+                raise
+
+
+PORT_ATTEMPTS = 3
+ADDRESS_IN_USE = "[Errno 98] Address already in use"
+
+
+def _port_was_taken(log: Path) -> bool:
+    """Whether the last start recorded in the service's log failed binding its port."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return False
+    return ADDRESS_IN_USE in text[text.rfind("\n==== "):]
 
 
 def stop(h: Home, grace_s: float = 10.0) -> bool:
