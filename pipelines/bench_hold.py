@@ -97,8 +97,9 @@ def simulate_each(h: Home, versions: list[int], requests: int, seed: int, out_di
     from ops.serving import supervisor, vllm_server
 
     env = home_environment(h)
-    port = supervisor.free_port()
-    server = vllm_server.start(policies.hf_dir(versions[0], h), port=port, policy_version=versions[0], h=h)
+    server = supervisor.start_on_free_port(
+        lambda port: vllm_server.start(policies.hf_dir(versions[0], h), port=port, policy_version=versions[0], h=h),
+        lambda port: vllm_server.log_file(h, port), vllm_server.VllmServerError)
     results = {}
     try:
         with ServerEngine([server.url]) as engine:
@@ -118,7 +119,7 @@ def simulate_each(h: Home, versions: list[int], requests: int, seed: int, out_di
                 log(f"bench hold: policy v{version}: {sum(f for *_, f in results[version])} of {requests} requests "
                     f"failed ({time.monotonic() - start:.0f} s)")
     finally:
-        vllm_server.stop(port, h)
+        vllm_server.stop(server.port, h)
     return results
 
 

@@ -374,16 +374,18 @@ def run_bench(
         model_dir = Path(model_dir or (server.model_dir if server else _default_policy(work)))
         reused = server is not None
         if server is None:
-            h, port = Home(work / "home").ensure(), supervisor.free_port()
-            server = vllm_server.start(model_dir, engine_config, port=port, h=h,
-                                       policy_version=_policy_version(model_dir))
+            h = Home(work / "home").ensure()
+            server = supervisor.start_on_free_port(
+                lambda p: vllm_server.start(model_dir, engine_config, port=p, h=h, policy_version=_policy_version(model_dir)),
+                lambda p: vllm_server.log_file(h, p), vllm_server.VllmServerError)
+            port = server.port
             api_key = home_key(h.root)
         elif api_key is None:
             api_key = home_key(create=False)
         m = _measure(model_dir, server, api_key, tasks, cfg, repeats, work)
         return _result(m, server, reused, model_dir, len(tasks), cfg, repeats, engine_config)
     finally:
-        if h is not None:
+        if port is not None:
             vllm_server.stop(port, h=h)
         shutil.rmtree(work, ignore_errors=True)
 

@@ -129,31 +129,8 @@ def start(h: Home, *, nproc_per_node: int = 1, expert_parallel: int = 1, timeout
         # SIGTERM of unknown origin on a loaded machine) is started again rather than failing the step.
         return supervisor.start(service(h), HOST, port, launch, ready, timeout_s, restarts=1)
 
-    # The port is free when chosen here and bound by rank 0 seconds later, once torch and
-    # megatron-core are imported and the world has formed; on a busy machine another process can
-    # take it in between (measured: with two pytest workers, rank 0 failed with EADDRINUSE). Such a
-    # start is tried again on another port.
-    attempts = PORT_ATTEMPTS
-    while True:
-        try:
-            return start_on(supervisor.free_port())
-        except LearnerServiceError:
-            attempts -= 1
-            if attempts == 0 or not _port_was_taken(log_file(h)):
-                raise
-
-
-PORT_ATTEMPTS = 3
-ADDRESS_IN_USE = "[Errno 98] Address already in use"
-
-
-def _port_was_taken(log: Path) -> bool:
-    """Whether the last start recorded in the service's log failed binding its port."""
-    try:
-        text = log.read_text(errors="replace")
-    except OSError:
-        return False
-    return ADDRESS_IN_USE in text[text.rfind("\n==== "):]
+    # rank 0 binds the port once torch and megatron-core are imported and the world has formed
+    return supervisor.start_on_free_port(start_on, lambda _port: log_file(h), LearnerServiceError)
 
 
 def stop(h: Home, grace_s: float = 10.0) -> bool:

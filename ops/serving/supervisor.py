@@ -268,6 +268,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+ADDRESS_IN_USE = "address already in use"  # how binding a taken port fails (EADDRINUSE), lower-cased
+FREE_PORT_ATTEMPTS = 3
+
+
+def bind_failed(log_path: Path) -> bool:
+    """Whether the last start recorded in a server's log (after its `==== ` line) failed to bind
+    its port."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return False
+    return ADDRESS_IN_USE in text[max(text.rfind("\n==== "), 0):].lower()  # a log without the line: all of it
+
+
+def start_on_free_port(start: Callable[[int], R], log_of: Callable[[int], Path], error: type[Exception],
+                       attempts: int = FREE_PORT_ATTEMPTS) -> R:
+    """`start(port)` on a port free now, for a server whose port is ours to choose. The port is
+    bound seconds after it was chosen, once the server's imports are done (torch, vLLM), and on a
+    busy machine another process can take it in between (measured: two pytest workers); a start
+    that failed (`error`) because its log says the bind failed is tried again on another port."""
+    while True:
+        port = free_port()
+        try:
+            return start(port)
+        except error:
+            attempts -= 1
+            if attempts == 0 or not bind_failed(log_of(port)):
+                raise
+
+
 def port_open(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)

@@ -151,7 +151,7 @@ def start_failure(code: int, log_path: Path, env: dict[str, str]) -> str:
             f"EngineConfig.kv_cache_gib / env VLLM_CPU_KVCACHE_SPACE (now {env.get('VLLM_CPU_KVCACHE_SPACE', 'unset')} GiB), "
             f"or max_num_seqs / max_model_len, or free memory. Log {log_path}: {tail}"
         )
-    if "address already in use" in low:
+    if supervisor.bind_failed(log_path):
         return f"vLLM server {supervisor.exit_reason(code)}: its port is taken; choose another port. Log {log_path}: {tail}"
     return f"vLLM server {supervisor.exit_reason(code)} during start-up; log {log_path}: {tail}"
 
