@@ -68,6 +68,11 @@ class RolloutsConfig(dg.Config):
                                  "trained on (guided or rehearsed) starts a new record after that cycle.")
     greedy: bool = Field(default=True, description="Curriculum: take the tasks likeliest to teach first (equal "
                          "ones in a seeded random order) instead of a weighted random sample.")
+    hard_share: float = Field(default=0.0, ge=0, le=1, description="Curriculum: share of each round's groups kept "
+                              "for hard tasks (estimated pass rate at most hard_below, guided if every sample fails), "
+                              "spread evenly over their families, so a never-solved family is retried every cycle.")
+    hard_below: float = Field(default=0.1, ge=0, le=1, description="Curriculum: estimated pass rate at or below "
+                              "which a task is hard (hard_share).")
     min_refill_yield: float = Field(default=0.5, ge=0, le=1, description="A refill round samples the most of its "
                                     "chosen tasks, likeliest first, that promise at least this share of informative "
                                     "groups (by their estimated pass rates); 0 = all of them.")
@@ -116,7 +121,8 @@ def dynamic_config(config: RolloutsConfig) -> DynamicSamplingConfig:
                                     eval_prior=config.eval_prior, own_policy=config.own_policy,
                                     round_feedback=config.round_feedback,
                                     group_prior=config.group_prior, failure_prior=config.failure_prior,
-                                    forget_trained=config.forget_trained, greedy=config.greedy))
+                                    forget_trained=config.forget_trained, greedy=config.greedy,
+                                    hard_share=config.hard_share, hard_below=config.hard_below))
 
 
 def sample_iteration(context, config: RolloutsConfig, trainer_server: PolicyServer, mlflow: MlflowTracking,

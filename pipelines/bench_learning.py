@@ -382,13 +382,19 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         "defaults+own-policy+first-round-yield+failures-only with 64 of each step's rehearsal rows kept in its "
         "policy-gradient updates as supervised anchors (anchors that do not depend on the rounds sampling solved tasks)",
         deep_merge(FAILURES_ONLY, _learner(rehearsal_anchors=64))),
+    "defaults+hard-reserve-0.25": ("defaults with a quarter of each round's groups kept for hard tasks (estimated "
+                                   "pass rate 0.1 or less, guided), taken in turn from each failing family",
+                                   _rollouts(hard_share=0.25)),
+    "defaults+hard-reserve-0.5": ("defaults+hard-reserve-0.25 with half of each round's groups kept for hard tasks",
+                                  _rollouts(hard_share=0.5)),
 }
 # The rows measured with the gate that guards the drift families the champion has learned; every
 # other row was measured before it and keeps the gate it had.
 LEARNED_GUARD_ROWS = frozenset({"defaults", "defaults-learned-margin-0.1", "defaults+first-round-yield",
                                 "defaults+own-policy", "defaults+own-policy+first-round-yield",
                                 "defaults+own-policy+first-round-yield+failures-only",
-                                "defaults+own-policy+first-round-yield+failures-only+rehearsal-anchors-64"})
+                                "defaults+own-policy+first-round-yield+failures-only+rehearsal-anchors-64",
+                                "defaults+hard-reserve-0.25", "defaults+hard-reserve-0.5"})
 BASELINE, CANDIDATE = "plain", "defaults"
 
 

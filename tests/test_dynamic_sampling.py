@@ -161,6 +161,39 @@ def test_greedy_choice_takes_the_largest_weights_ties_in_a_seeded_order():
     assert sum(len({t.task_id for t in MUL[:4]} & {c.task.task_id for c in w}) for w in weighted) < 8 * 4
 
 
+def test_hard_share_keeps_never_solved_families_retried_evenly():
+    """Greedy by weight, the never-solved tasks (guided: worth half an uncertain group) lose every
+    place to tasks the policy solves sometimes; `hard_share` keeps that share of the groups for
+    them, taken in turn from each failing family, and the rest still goes by weight."""
+    sub = task_world.generate_tasks("sub", 12, seed=3)
+    pool = POOL + sub
+    history = History({}, {"add": TaskRecord(attempts=80, passes=40, groups=10, mixed=10),  # uncertain
+                           "mul": TaskRecord(attempts=80, passes=0, groups=10, all_fail=10),  # never solved
+                           "sub": TaskRecord(attempts=80, passes=0, groups=10, all_fail=10)}, (1,))
+
+    def families(cfg: CurriculumConfig, k: int = 8, guide_after: int = 1) -> list[str]:
+        chosen = choose_tasks(pool, k, history, cfg, guide_after=guide_after, group_size=8, seed="h")
+        assert len(chosen) == k and len({c.task.task_id for c in chosen}) == k
+        return [c.task.family for c in chosen]
+
+    assert families(CurriculumConfig()) == ["add"] * 8  # the failing families never retried
+    reserved = families(CurriculumConfig(hard_share=0.5))
+    assert (reserved.count("add"), reserved.count("mul"), reserved.count("sub")) == (4, 2, 2)
+    odd = families(CurriculumConfig(hard_share=0.5), k=6)  # 3 reserved: one family gets the extra place
+    assert odd.count("add") == 3 and sorted((odd.count("mul"), odd.count("sub"))) == [1, 2]
+    # without guidance an all-fail group teaches nothing: no reserve, greedy as before
+    assert families(CurriculumConfig(hard_share=0.5), guide_after=0) == ["add"] * 8
+    # the reserve holds what there is: two hard tasks in all
+    few = History({}, {"add": history.families["add"]}, (1,))
+    scarce = {t.task_id: TaskRecord(attempts=8, passes=0, groups=1, all_fail=1, fail_streak=1) for t in MUL[:2]}
+    chosen = choose_tasks(POOL, 8, replace(few, tasks=scarce), CurriculumConfig(hard_share=0.5), guide_after=1,
+                          group_size=8, seed="h")
+    assert {c.task.task_id for c in chosen if c.task.family == "mul"} == {t.task_id for t in MUL[:2]}
+    assert [c.task.family for c in chosen].count("add") == 6
+    # a task estimated above hard_below is not hard
+    assert families(CurriculumConfig(hard_share=0.5, hard_below=0.0)) == ["add"] * 8
+
+
 def test_history_counts_every_on_policy_iteration(tmp_path, tokenizer, screen):
     """A cycle's later iterations (cycle=N.iteration=K tables) count for later cycles, and for the
     same cycle's later iterations only up to the one asked; an iteration without rewards not at all."""

@@ -17,8 +17,14 @@ project already knows of each task, read from the stored rollouts and rewards of
   writes the reference solution into a group whose samples all fail), an all-fail group teaches
   too, counted at `guided_value` of an uncertain one: `1 - p^G - (1 - guided_value) (1 - p)^G`.
   So the weight is largest for tasks the policy solves sometimes, stays high for never-solved
-  tasks that guidance can teach (a hard pool retried every cycle), and is smallest for solved
-  tasks, never below `min_weight` (solved families are still replayed a little);
+  tasks that guidance can teach, and is smallest for solved tasks, never below `min_weight`
+  (solved families are still replayed a little);
+- a never-solved task still weighs less than an uncertain one, so while a round's worth of tasks
+  are uncertain a choice by weight alone never retries it. With `hard_share`, that share of a
+  round's groups is kept for the hard tasks (estimated pass rate at most `hard_below`, guided
+  should every sample fail), taken in turn from each of their families (`hard_reserve`): a pool
+  of hard tasks retried every cycle, so the family the policy finds hardest keeps its guided
+  groups;
 - a family is not made of alike tasks: a solved one mostly always passes and has a few tasks it
   fails sometimes, and its mean rate then promises far more groups with signal than its groups
   gave. With `group_prior`, a task the history has not seen takes its family's observed shares
@@ -102,6 +108,13 @@ class CurriculumConfig(BaseModel):
         bool, Field(description="Take the tasks likeliest to teach first (equal weights in a seeded random order) "
                     "instead of a weighted random sample")
     ] = True
+    hard_share: Annotated[
+        float, Field(ge=0, le=1, description="Share of a round's groups kept for hard tasks (estimated pass rate at "
+                     "most hard_below, guided if every sample fails), spread evenly over their families")
+    ] = 0.0
+    hard_below: Annotated[
+        float, Field(ge=0, le=1, description="Estimated pass rate at or below which a task counts as hard")
+    ] = 0.1
 
 
 @dataclass
@@ -351,7 +364,30 @@ def choose_tasks(pool: list[Task], k: int, history: History, cfg: CurriculumConf
     rng = random.Random(seed)
     scored = [score_task(t, history, cfg, guide_after, group_size) for t in sorted(pool, key=lambda t: t.task_id)]
     if cfg.enabled and cfg.greedy:
-        chosen = sorted(scored, key=lambda c: (c.weight, rng.random()), reverse=True)[:k]
+        ranked = sorted(scored, key=lambda c: (c.weight, rng.random()), reverse=True)
     else:  # Efraimidis-Spirakis: the k largest u^(1/w) are a weighted sample without replacement.
-        chosen = sorted(scored, key=lambda c: rng.random() ** (1.0 / c.weight), reverse=True)[:k]
+        ranked = sorted(scored, key=lambda c: rng.random() ** (1.0 / c.weight), reverse=True)
+    reserved = hard_reserve(ranked, round(cfg.hard_share * k), cfg.hard_below, guide_after) if cfg.enabled else []
+    taken = {c.task.task_id for c in reserved}
+    chosen = reserved + [c for c in ranked if c.task.task_id not in taken][:k - len(reserved)]
     return sorted(chosen, key=lambda c: c.task.task_id)
+
+
+def hard_reserve(ranked: list[TaskChoice], n: int, below: float, guide_after: int) -> list[TaskChoice]:
+    """Up to `n` hard tasks of `ranked` (estimated pass rate at most `below`, and guided should
+    every sample fail), taken in turn from each of their families, each family's in `ranked`
+    order. A never-solved task's group teaches only through guidance, so it weighs less than a
+    task the policy solves sometimes, and a choice by weight alone would retry it only when
+    fewer than a round's worth of tasks weigh more: the family the policy finds hardest would
+    never be sampled again. The reserve keeps every failing family retried, each cycle."""
+    by_family: dict[str, list[TaskChoice]] = defaultdict(list)
+    for c in ranked:
+        if c.pass_rate <= below and guided_if_all_fail(c.fail_streak, guide_after):
+            by_family[c.task.family].append(c)
+    queues = list(by_family.values())  # families in the order of their likeliest hard task
+    out: list[TaskChoice] = []
+    while len(out) < n and any(queues):
+        for queue in queues:
+            if queue and len(out) < n:
+                out.append(queue.pop(0))
+    return out
