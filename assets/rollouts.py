@@ -68,7 +68,7 @@ class RolloutsConfig(dg.Config):
                                  "trained on (guided or rehearsed) starts a new record after that cycle.")
     greedy: bool = Field(default=True, description="Curriculum: take the tasks likeliest to teach first (equal "
                          "ones in a seeded random order) instead of a weighted random sample.")
-    hard_share: float = Field(default=0.0, ge=0, le=1, description="Curriculum: share of each round's groups kept "
+    hard_share: float = Field(default=0.25, ge=0, le=1, description="Curriculum: share of each round's groups kept "
                               "for hard tasks (estimated pass rate at most hard_below, guided if every sample fails), "
                               "spread evenly over their families, so a never-solved family is retried every cycle.")
     hard_below: float = Field(default=0.1, ge=0, le=1, description="Curriculum: estimated pass rate at or below "

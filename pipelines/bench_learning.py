@@ -382,10 +382,9 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         "defaults+own-policy+first-round-yield+failures-only with 64 of each step's rehearsal rows kept in its "
         "policy-gradient updates as supervised anchors (anchors that do not depend on the rounds sampling solved tasks)",
         deep_merge(FAILURES_ONLY, _learner(rehearsal_anchors=64))),
-    "defaults+hard-reserve-0.25": ("defaults with a quarter of each round's groups kept for hard tasks (estimated "
-                                   "pass rate 0.1 or less, guided), taken in turn from each failing family",
-                                   _rollouts(hard_share=0.25)),
-    "defaults+hard-reserve-0.5": ("defaults+hard-reserve-0.25 with half of each round's groups kept for hard tasks",
+    "defaults-no-hard-reserve": ("defaults with no groups kept for hard tasks: a round's tasks chosen by weight "
+                                 "alone (hard_share 0)", _rollouts(hard_share=0.0)),
+    "defaults+hard-reserve-0.5": ("defaults with half of each round's groups kept for hard tasks (not a quarter)",
                                   _rollouts(hard_share=0.5)),
 }
 # The rows measured with the gate that guards the drift families the champion has learned; every
@@ -394,14 +393,19 @@ LEARNED_GUARD_ROWS = frozenset({"defaults", "defaults-learned-margin-0.1", "defa
                                 "defaults+own-policy", "defaults+own-policy+first-round-yield",
                                 "defaults+own-policy+first-round-yield+failures-only",
                                 "defaults+own-policy+first-round-yield+failures-only+rehearsal-anchors-64",
-                                "defaults+hard-reserve-0.25", "defaults+hard-reserve-0.5"})
+                                "defaults-no-hard-reserve", "defaults+hard-reserve-0.5"})
+# The rows measured with a share of each round's groups kept for hard tasks (`hard_share`); every
+# other row was measured before it and keeps a choice by weight alone.
+HARD_RESERVE_ROWS = frozenset({"defaults", "defaults+hard-reserve-0.5"})
 BASELINE, CANDIDATE = "plain", "defaults"
 
 
 def row_config(name: str) -> dict:
     """The run config a configuration's demo runs with (the rows measured before the learned-family
-    guard keep the gate they were measured with)."""
+    guard, or before the hard-task reserve, keep the gate and the task choice they were measured with)."""
     config = CONFIGS[name][1]
+    if name not in HARD_RESERVE_ROWS:
+        config = deep_merge(config, _rollouts(hard_share=0.0))
     return config if name in LEARNED_GUARD_ROWS else _no_learned_guard(config)
 
 

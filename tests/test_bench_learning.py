@@ -13,6 +13,7 @@ import pytest
 
 from assets.cycle import CYCLE_JOB
 from assets.policy_checkpoint import PolicyCheckpointConfig, _learner_config
+from assets.rollouts import RolloutsConfig
 from ops.evaluate.gate import GateConfig
 from pipelines import bench_learning, demo
 from pipelines.cli import main
@@ -27,6 +28,9 @@ def test_every_configuration_is_a_valid_run_config(name):
     # only the rows measured with it run with the gate that guards learned drift families
     learned_rate = config.get("ops", {}).get("eval_report", {}).get("config", {}).get("learned_rate", GateConfig().learned_rate)
     assert (learned_rate is not None) == (name in bench_learning.LEARNED_GUARD_ROWS)
+    # and only those measured with it keep a share of each round's groups for hard tasks
+    rollouts = config.get("ops", {}).get("rollouts", {}).get("config", {})
+    assert (rollouts.get("hard_share", RolloutsConfig().hard_share) > 0) == (name in bench_learning.HARD_RESERVE_ROWS)
     dg.validate_run_config(defs.resolve_job_def(CYCLE_JOB), config)
     # the learner config the asset builds from it is valid (learner_overrides_json holds LearnerConfig fields)
     learner = config.get("ops", {}).get("policy_checkpoint", {}).get("config", {})

@@ -176,7 +176,8 @@ def test_hard_share_keeps_never_solved_families_retried_evenly():
         assert len(chosen) == k and len({c.task.task_id for c in chosen}) == k
         return [c.task.family for c in chosen]
 
-    assert families(CurriculumConfig()) == ["add"] * 8  # the failing families never retried
+    assert families(CurriculumConfig(hard_share=0.0)) == ["add"] * 8  # the failing families never retried
+    assert families(CurriculumConfig()).count("add") == 6  # the default keeps a quarter for them
     reserved = families(CurriculumConfig(hard_share=0.5))
     assert (reserved.count("add"), reserved.count("mul"), reserved.count("sub")) == (4, 2, 2)
     odd = families(CurriculumConfig(hard_share=0.5), k=6)  # 3 reserved: one family gets the extra place

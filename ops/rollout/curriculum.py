@@ -111,7 +111,7 @@ class CurriculumConfig(BaseModel):
     hard_share: Annotated[
         float, Field(ge=0, le=1, description="Share of a round's groups kept for hard tasks (estimated pass rate at "
                      "most hard_below, guided if every sample fails), spread evenly over their families")
-    ] = 0.0
+    ] = 0.25
     hard_below: Annotated[
         float, Field(ge=0, le=1, description="Estimated pass rate at or below which a task counts as hard")
     ] = 0.1
