@@ -94,12 +94,10 @@ def simulate_each(h: Home, versions: list[int], requests: int, seed: int, out_di
     from ops.harvest.simulator import SimulatorConfig, run_simulation
     from ops.policy import tokenizer as tok_lib
     from ops.rollout.server import ServerEngine
-    from ops.serving import supervisor, vllm_server
+    from ops.serving import vllm_server
 
     env = home_environment(h)
-    server = supervisor.start_on_free_port(
-        lambda port: vllm_server.start(policies.hf_dir(versions[0], h), port=port, policy_version=versions[0], h=h),
-        lambda port: vllm_server.log_file(h, port), vllm_server.VllmServerError)
+    server = vllm_server.start_on_free_port(policies.hf_dir(versions[0], h), policy_version=versions[0], h=h)
     results = {}
     try:
         with ServerEngine([server.url]) as engine:

@@ -55,7 +55,6 @@ from ops.policy import tokenizer as tok_lib
 from ops.rollout.episodes import turn_seed
 from ops.rollout.groups import SamplingConfig, generate_groups, sample_seed
 from ops.rollout.vllm_engine import EngineConfig
-from ops.serving import supervisor
 
 SAMPLE_INTERVAL_S = 0.1
 
@@ -375,9 +374,8 @@ def run_bench(
         reused = server is not None
         if server is None:
             h = Home(work / "home").ensure()
-            server = supervisor.start_on_free_port(
-                lambda p: vllm_server.start(model_dir, engine_config, port=p, h=h, policy_version=_policy_version(model_dir)),
-                lambda p: vllm_server.log_file(h, p), vllm_server.VllmServerError)
+            server = vllm_server.start_on_free_port(model_dir, engine_config, h=h,
+                                                    policy_version=_policy_version(model_dir))
             port = server.port
             api_key = home_key(h.root)
         elif api_key is None:

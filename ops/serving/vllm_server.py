@@ -141,6 +141,16 @@ def start(
     return supervisor.start(service(port, h), host, port, launch, ready, timeout_s)
 
 
+def start_on_free_port(model_dir: str | Path, cfg: EngineConfig | None = None, *, policy_version: int | None = None,
+                       h: Home | None = None) -> VllmServer:
+    """`start` on a port of our choosing (a bench's own server), tried again on another port when
+    the chosen one was taken before vLLM bound it (`supervisor.start_on_free_port`)."""
+    h = h or home()
+    return supervisor.start_on_free_port(
+        lambda port: start(model_dir, cfg, port=port, policy_version=policy_version, h=h),
+        lambda port: log_file(h, port), VllmServerError)
+
+
 def start_failure(code: int, log_path: Path, env: dict[str, str]) -> str:
     """Why the server exited during start-up, naming the setting to change when it is memory."""
     tail = supervisor.tail(log_path, 25)
